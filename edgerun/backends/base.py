@@ -1,0 +1,39 @@
+"""The Backend protocol: what the decode loop needs from an inference engine.
+
+A backend owns one model and its KV cache. Positions are appended with `eval` and removed
+with `truncate`; `tokens` mirrors what the cache holds, so `n_past == len(tokens)`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str                  # e.g. "llama.cpp:/path/model.gguf"
+    n_vocab: int               # rows of the logits (may include padding entries)
+    n_ctx: int                 # context window in positions
+    tokens: list[int]          # tokens whose K/V are in the cache, in order
+    vocab_fingerprint: str     # sha256 over token strings/types/specials (see tokenizer.py)
+    weight_bytes: int          # bytes of weights read per forward pass: feeds the cost model
+    tokenizer: "object"        # edgerun.tokenizer.Tokenizer
+
+    @property
+    def n_past(self) -> int: ...
+
+    def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
+        """Append `tokens` to the cache; return float32 logits [k, n_vocab] for the last k positions.
+
+        k = len(tokens) when n_logits is None; n_logits = 0 returns an empty [0, n_vocab] array
+        (prefill without logits). Raises ContextOverflow if the cache would exceed n_ctx.
+        """
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions of the cache (rollback)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,112 @@
+"""Small frozen dataclasses holding the knobs of sampling, speculation, backends and quantization."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import InvalidArgument
+
+GAMMA_LIMIT = 32  # drafting more than this per cycle is never useful and is refused
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidArgument(msg)
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """How logits become a next-token distribution. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.8
+    top_k: int = 40            # 0 disables
+    top_p: float = 0.95        # 1.0 disables
+    min_p: float = 0.05        # 0.0 disables
+    repeat_penalty: float = 1.0  # 1.0 disables
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        _check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
+               f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        _check(isinstance(p, (int, float)) and 0 < p <= 1,
+               f"top_p must be in (0, 1], got {p!r}")
+        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1,
+               f"min_p must be in [0, 1), got {self.min_p!r}")
+        _check(isinstance(self.repeat_penalty, (int, float)) and math.isfinite(self.repeat_penalty)
+               and self.repeat_penalty > 0,
+               f"repeat_penalty must be a finite number > 0 (1.0 disables it), got {self.repeat_penalty!r}")
+        _check(isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0,
+               f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}")
+        _check(self.seed is None or isinstance(self.seed, int),
+               f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    """Speculation settings. gamma None means 'auto' (the GammaTuner decides every cycle)."""
+
+    gamma: int | None = None
+    gamma_max: int = 8
+    p_min: float = 0.0          # drafter stops early when its top probability falls below this
+    lookup_ngram_max: int = 3    # prompt-lookup drafter: longest n-gram matched
+    lookup_ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        g = self.gamma
+        _check(g is None or (isinstance(g, int) and 0 <= g <= GAMMA_LIMIT),
+               f"gamma must be 'auto' or an integer in 0..{GAMMA_LIMIT}, got {g!r}")
+        _check(isinstance(self.gamma_max, int) and 1 <= self.gamma_max <= GAMMA_LIMIT,
+               f"gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {self.gamma_max!r}")
+        _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min!r}")
+
+
+@dataclass(frozen=True)
+class BackendArgs:
+    """Engine settings; the device profile fills the defaults, the user may override."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None      # None: physical cores
+    n_batch: int = 512
+    n_gpu_layers: int = 0
+    flash_attn: bool = True
+    use_mmap: bool = True
+    use_mlock: bool = False
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)   # onnxruntime execution providers
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be an integer >= 16, got {self.n_ctx!r}")
+        _check(self.n_threads is None or (isinstance(self.n_threads, int) and self.n_threads >= 1),
+               f"n_threads must be a positive integer, got {self.n_threads!r}")
+        _check(isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}")
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """Quantization settings for `edgerun quantize`."""
+
+    method: str = "awq"             # awq | rtn
+    format: str = "q4_0"            # q4_0 | q4_1
+    calib: str = "builtin"          # 'builtin' (CPython reference prose) or a text file path
+    calib_tokens: int = 4096
+    embed_type: str = "q8_0"        # q8_0 | f16
+    grid: int = 20
+    seq_len: int = 512
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.method in ("awq", "rtn"), f"method must be 'awq' or 'rtn', got {self.method!r}")
+        _check(self.format in ("q4_0", "q4_1"), f"format must be 'q4_0' or 'q4_1', got {self.format!r}")
+        _check(self.embed_type in ("q8_0", "f16"), f"embed_type must be 'q8_0' or 'f16', got {self.embed_type!r}")
+        _check(isinstance(self.calib_tokens, int) and self.calib_tokens >= 64,
+               f"calib_tokens must be an integer >= 64, got {self.calib_tokens!r}")
+        _check(isinstance(self.grid, int) and self.grid >= 1, f"grid must be >= 1, got {self.grid!r}")

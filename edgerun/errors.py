@@ -1,0 +1,54 @@
+"""Typed errors. Every message says what was wrong and what was expected.
+
+Library code raises these; only the CLI prints them (one line, exit code 2).
+"""
+
+
+class EdgerunError(Exception):
+    """Base class of every error edgerun raises on purpose."""
+
+    exit_code = 2
+
+
+class InvalidArgument(EdgerunError, ValueError):
+    """A parameter is out of range or of the wrong kind (sampling values, gamma, ...)."""
+
+
+class ModelNotFound(EdgerunError):
+    """A model name is not in the registry and is not a path to an existing model file."""
+
+
+class ModelFormatError(EdgerunError):
+    """A model file exists but is not a valid/complete model (truncated GGUF, not GGUF, bad ONNX dir)."""
+
+
+class RegistryError(EdgerunError):
+    """A manifest is invalid, or fetching/assembling a model's pieces failed."""
+
+
+class ChecksumError(RegistryError):
+    """An assembled model does not have the size or sha256 its manifest pins."""
+
+
+class ContextOverflow(EdgerunError):
+    """A prompt (or prompt + generation) does not fit in the model's context window."""
+
+
+class VocabMismatch(EdgerunError):
+    """A drafter's vocabulary differs from its target's."""
+
+
+class ProfileError(EdgerunError):
+    """A device profile file is invalid (unknown key, wrong type) or cannot be found."""
+
+
+class MemoryBudgetError(EdgerunError):
+    """The models and KV cache would not fit the device's memory budget."""
+
+
+class BackendError(EdgerunError):
+    """The inference engine (llama.cpp, onnxruntime) failed or is not available."""
+
+
+class QuantizationError(EdgerunError):
+    """A quantization input or option is not supported (architecture, format, NaN weights, ...)."""

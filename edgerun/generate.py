@@ -1,0 +1,243 @@
+"""THE decode loop. Plain decoding is speculative decoding with gamma = 0.
+
+Each cycle:  draft gamma tokens -> ONE target eval of [pending] + draft (gamma + 1 positions)
+-> verify (Leviathan rejection sampling) -> commit accepted + next token -> tuner.observe.
+`pending` is the last committed token, not yet in the target's KV cache; the target cache
+always holds `committed[:-1]` between cycles, and the `finally` restores that invariant
+(rollback) whatever happens: an exception, a stop string, or a consumer that closes the stream.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .backends.base import Backend
+from .config import SamplingArgs
+from .errors import ContextOverflow, InvalidArgument
+from .spec.gamma import FixedGamma
+from .spec.sampling import probs
+from .spec.verify import verify
+
+
+@dataclass(frozen=True)
+class Step:
+    """One committed token. t_draft/t_verify are the cycle's times, carried by its first Step (0 on the rest)."""
+
+    token: int
+    text: str            # text released with this token ('' while held back for a possible stop string)
+    from_draft: bool     # True: a drafted token the target accepted
+    gamma: int           # draft length of the cycle that produced it
+    n_accepted: int      # drafted tokens accepted in that cycle
+    t_draft: float
+    t_verify: float
+
+
+@dataclass
+class GenStats:
+    """Statistics of one generation; the acceptance histogram is first-class."""
+
+    n_prompt_tokens: int = 0
+    n_tokens: int = 0
+    t_prefill_s: float = 0.0
+    t_total_s: float = 0.0
+    n_cycles: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    gamma_sum: int = 0
+    t_draft_s: float = 0.0
+    t_verify_s: float = 0.0
+    accept_histogram: list[int] = field(default_factory=list)   # [k] = cycles that accepted k drafted tokens
+    finish_reason: str | None = None                            # 'stop' | 'eos' | 'length'
+
+    @property
+    def tokens_per_s(self) -> float:
+        dt = self.t_total_s - self.t_prefill_s
+        return self.n_tokens / dt if dt > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_accepted_per_cycle(self) -> float:
+        spec_cycles = sum(self.accept_histogram)
+        return self.n_accepted / spec_cycles if spec_cycles else 0.0
+
+    @property
+    def gamma_mean(self) -> float:
+        return self.gamma_sum / self.n_cycles if self.n_cycles else 0.0
+
+    def record_cycle(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
+        self.n_cycles += 1
+        self.gamma_sum += gamma
+        self.t_draft_s += t_draft
+        self.t_verify_s += t_verify
+        if gamma > 0:
+            self.n_drafted += gamma
+            self.n_accepted += n_accepted
+            if len(self.accept_histogram) <= gamma:
+                self.accept_histogram.extend([0] * (gamma + 1 - len(self.accept_histogram)))
+            self.accept_histogram[n_accepted] += 1
+
+    def merge(self, other: "GenStats") -> None:
+        """Accumulate another generation's counts (for session-wide /stats and /metrics)."""
+        for name in ("n_prompt_tokens", "n_tokens", "t_prefill_s", "t_total_s", "n_cycles", "n_drafted",
+                     "n_accepted", "gamma_sum", "t_draft_s", "t_verify_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        h = other.accept_histogram
+        if len(self.accept_histogram) < len(h):
+            self.accept_histogram.extend([0] * (len(h) - len(self.accept_histogram)))
+        for k, c in enumerate(h):
+            self.accept_histogram[k] += c
+        self.finish_reason = other.finish_reason
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, acceptance_rate=self.acceptance_rate,
+                 mean_accepted_per_cycle=self.mean_accepted_per_cycle, gamma_mean=self.gamma_mean)
+        return d
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _TextReleaser:
+    """Turns committed tokens into text, holding back pieces that may begin a stop string."""
+
+    def __init__(self, detok_bytes, stop: Sequence[str]) -> None:
+        self._detok = detok_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._held: list[tuple[int, str, bool, int, int, float, float]] = []
+
+    def push(self, token: int, *meta) -> tuple[list[Step], bool]:
+        """Add a token; return (steps now released, stop string hit)."""
+        self._held.append((token, self._utf8.decode(self._detok(token)), *meta))
+        if not self._stop:
+            return self.flush(), False
+        text = "".join(h[1] for h in self._held)
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return self._release(cut), True
+        if any(text.endswith(s[:k]) for s in self._stop for k in range(1, len(s))):
+            return [], False          # may be the start of a stop string: wait for more tokens
+        return self.flush(), False
+
+    def flush(self) -> list[Step]:
+        return self._release(None)
+
+    def _release(self, limit: int | None) -> list[Step]:
+        out, used = [], 0
+        for token, piece, *meta in self._held:
+            if limit is not None:
+                if used >= limit:
+                    break
+                piece = piece[: limit - used]
+            used += len(piece)
+            out.append(Step(token, piece, *meta))
+        self._held = []
+        return out
+
+
+def generate(
+    target: Backend,
+    prompt_tokens: Sequence[int],
+    sampling: SamplingArgs,
+    *,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    drafter=None,
+    policy=None,
+    rng: np.random.Generator | None = None,
+    stats: GenStats | None = None,
+    is_eog=None,
+) -> Iterator[Step]:
+    """Generate up to max_tokens tokens after prompt_tokens, yielding one Step per committed token.
+
+    drafter: None (plain decoding) or a Drafter (spec/drafters.py). policy: chooses gamma per cycle
+    (FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends generation.
+    """
+    if max_tokens < 0:
+        raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
+    if not prompt_tokens:
+        raise InvalidArgument("the prompt is empty: at least one token (e.g. BOS) is needed")
+    if len(prompt_tokens) >= target.n_ctx:
+        raise ContextOverflow(
+            f"the prompt is {len(prompt_tokens)} tokens but the context holds {target.n_ctx}: "
+            f"shorten the prompt or load the model with a larger n_ctx")
+    stats = stats if stats is not None else GenStats()
+    rng = rng if rng is not None else np.random.default_rng(sampling.seed)
+    policy = policy if (policy is not None and drafter is not None) else FixedGamma(0)
+    is_eog = is_eog or target.tokenizer.is_eog
+    releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
+
+    t_start = time.perf_counter()
+    committed = list(prompt_tokens)            # committed[-1] is `pending`: not yet in the target cache
+    stats.n_prompt_tokens = len(committed)
+    try:
+        # prefill: reuse the cached prefix (multi-turn chat), evaluate the rest without logits
+        keep = common_prefix(target.tokens, committed[:-1])
+        target.truncate(keep)
+        if keep < len(committed) - 1:
+            target.eval(committed[keep:-1], n_logits=0)
+        stats.t_prefill_s = time.perf_counter() - t_start
+
+        n_out = 0
+        while n_out < max_tokens:
+            room = target.n_ctx - len(committed)       # cache slots left for drafts once pending goes in
+            if room < 0:
+                stats.finish_reason = "length"         # context full (documented policy: stop, no sliding)
+                break
+            gamma = min(policy.choose(), max_tokens - n_out - 1, room) if drafter is not None else 0
+            t0 = time.perf_counter()
+            draft, q = drafter.propose(committed, gamma, sampling, rng) if gamma > 0 else ([], None)
+            gamma = len(draft)
+            t1 = time.perf_counter()
+            logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
+            # p [gamma + 1, V]: target distribution at each verified position, same transforms as q
+            p = np.stack([probs(logits[i], sampling, committed + draft[:i]) for i in range(gamma + 1)])
+            n_acc, nxt = verify(p, q, draft, rng)
+            t2 = time.perf_counter()
+            # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts
+            target.truncate(len(committed) + n_acc)
+            policy.observe(gamma, n_acc, t1 - t0, t2 - t1)
+            stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
+
+            new = [*draft[:n_acc], nxt]
+            for i, tok in enumerate(new):
+                committed.append(tok)
+                n_out += 1
+                if is_eog(tok):
+                    stats.finish_reason = "eos"
+                    break
+                stats.n_tokens += 1
+                first = i == 0
+                steps, hit = releaser.push(tok, i < n_acc, gamma, n_acc,
+                                           (t1 - t0) if first else 0.0, (t2 - t1) if first else 0.0)
+                yield from steps
+                if hit:
+                    stats.finish_reason = "stop"
+                    break
+                if n_out >= max_tokens:
+                    stats.finish_reason = "length"
+                    break
+            if stats.finish_reason:
+                break
+        else:
+            stats.finish_reason = stats.finish_reason or "length"
+        if stats.finish_reason != "stop":
+            yield from releaser.flush()
+    finally:
+        # rollback: the target cache holds exactly the committed tokens minus pending
+        target.truncate(min(target.n_past, len(committed) - 1))
+        stats.t_total_s = time.perf_counter() - t_start

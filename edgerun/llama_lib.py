@@ -1,0 +1,114 @@
+"""The one place that touches llama-cpp-python's low-level C API: init, logging, model lifetime.
+
+llama.cpp's loader is strict about some things and silent (or process-aborting) about others,
+so a GGUF is checked here first: magic, readable header, tensor data inside the file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+from .errors import BackendError, ModelFormatError, ModelNotFound
+
+log = logging.getLogger("edgerun.llama")
+
+_lock = threading.Lock()
+_lib = None
+_log_cb = None  # keep the ctypes callback alive
+
+
+def lib():
+    """Import llama_cpp once, initialise its backend and route its log into `logging` (debug)."""
+    global _lib, _log_cb
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                try:
+                    import llama_cpp
+                except ImportError as e:  # pragma: no cover - depends on the install
+                    raise BackendError(
+                        "llama-cpp-python is not installed or failed to import "
+                        f"({e}); install it with `pip install llama-cpp-python` (see README)") from e
+
+                @llama_cpp.llama_log_callback
+                def _cb(level, text, user_data):
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug(text.decode("utf-8", "replace").rstrip())
+
+                _log_cb = _cb
+                llama_cpp.llama_log_set(_log_cb, ctypes.c_void_p(0))
+                llama_cpp.llama_backend_init()
+                _lib = llama_cpp
+    return _lib
+
+
+def check_gguf(path: str | Path) -> Path:
+    """Raise a clear error unless `path` is a complete GGUF file (magic, header, tensor data in bounds)."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelNotFound(f"model file not found: {p}")
+    if p.is_dir():
+        raise ModelFormatError(f"{p} is a directory, expected a .gguf file")
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{p} is not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(p)
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except (ValueError, IndexError, OSError, KeyError) as e:
+        raise ModelFormatError(f"{p} is a damaged or truncated GGUF file: {e}") from e
+    if end > size:
+        raise ModelFormatError(
+            f"{p} is truncated: tensor data needs {end:,} bytes but the file has {size:,}; "
+            f"pull or copy it again")
+    return p
+
+
+class Model:
+    """An owned llama_model pointer (freed on close/garbage collection)."""
+
+    def __init__(self, ptr, path: Path) -> None:
+        self.ptr = ptr
+        self.path = path
+
+    @classmethod
+    def load(cls, path: str | Path, *, vocab_only: bool = False, n_gpu_layers: int = 0,
+             use_mmap: bool = True, use_mlock: bool = False) -> "Model":
+        p = check_gguf(path)
+        L = lib()
+        params = L.llama_model_default_params()
+        params.vocab_only = vocab_only
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = {(True, False): L.LLAMA_LOAD_MODE_MMAP, (True, True): L.LLAMA_LOAD_MODE_MMAP_MLOCK,
+                            (False, True): L.LLAMA_LOAD_MODE_MLOCK, (False, False): L.LLAMA_LOAD_MODE_NONE}[
+            (bool(use_mmap), bool(use_mlock))]
+        ptr = L.llama_model_load_from_file(os.fsencode(p), params)
+        if not ptr:
+            raise ModelFormatError(
+                f"llama.cpp could not load {p} (unsupported architecture or damaged file; "
+                f"run with --verbose for llama.cpp's log)")
+        return cls(ptr, p)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(512)
+        n = lib().llama_model_meta_val_str(self.ptr, key.encode(), buf, 512)
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def close(self) -> None:
+        if self.ptr:
+            lib().llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except (AttributeError, TypeError):
+            pass

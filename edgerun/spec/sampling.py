@@ -1,0 +1,65 @@
+"""Logits -> next-token probabilities, and sampling from them.
+
+The same transforms are applied to the target's and the drafter's logits, so speculative
+decoding reproduces exactly the *transformed* target distribution.
+Order (as llama.cpp's default chain): repetition penalty, top-k, temperature, top-p, min-p.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..config import SamplingArgs
+
+
+def apply_repeat_penalty(logits: np.ndarray, context: Sequence[int], sampling: SamplingArgs) -> np.ndarray:
+    """CTRL-style penalty on tokens seen in the last `repeat_last_n` context tokens (copy if changed)."""
+    if sampling.repeat_penalty == 1.0 or sampling.repeat_last_n == 0 or not context:
+        return logits
+    recent = np.unique(np.asarray(context[-sampling.repeat_last_n:], dtype=np.int64))
+    recent = recent[recent < logits.shape[-1]]
+    out = logits.astype(np.float64, copy=True)
+    vals = out[recent]
+    out[recent] = np.where(vals > 0, vals / sampling.repeat_penalty, vals * sampling.repeat_penalty)
+    return out
+
+
+def probs(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = ()) -> np.ndarray:
+    """One row of logits [V] -> probabilities [V] (float64, sums to 1). Greedy -> one-hot at argmax."""
+    x = apply_repeat_penalty(logits, context, sampling)
+    V = x.shape[-1]
+    out = np.zeros(V, dtype=np.float64)
+    if sampling.greedy:
+        out[int(np.argmax(x))] = 1.0
+        return out
+    # candidates: indices kept after top-k (all when top_k is 0 or >= V)
+    if 0 < sampling.top_k < V:
+        idx = np.argpartition(x, V - sampling.top_k)[V - sampling.top_k:]
+    else:
+        idx = np.arange(V)
+    z = x[idx].astype(np.float64) / sampling.temperature
+    z = z - z.max()
+    w = np.exp(z)
+    w /= w.sum()
+    keep = np.ones(len(idx), dtype=bool)
+    if sampling.top_p < 1.0:
+        order = np.argsort(-w, kind="stable")
+        cum = np.cumsum(w[order])
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        n_keep = int(np.searchsorted(cum, sampling.top_p, side="left")) + 1
+        keep[:] = False
+        keep[order[:n_keep]] = True
+    if sampling.min_p > 0.0:
+        keep &= w >= sampling.min_p * w.max()
+    w = np.where(keep, w, 0.0)
+    out[idx] = w / w.sum()
+    return out
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one index from probabilities p [V] (inverse CDF; one uniform from rng)."""
+    cum = np.cumsum(p)
+    u = rng.random() * cum[-1]
+    return int(min(np.searchsorted(cum, u, side="right"), len(p) - 1))

@@ -1,0 +1,158 @@
+"""Tokenizer and chat template, read from a GGUF's metadata through llama.cpp's vocabulary code.
+
+One tokenizer module for every backend: the llama.cpp backend shares its loaded model; other
+backends (ONNX, the numpy reference) load the same GGUF vocabulary-only (no weights).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+from . import llama_lib
+from .errors import InvalidArgument, ModelFormatError
+
+log = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def vocab_fingerprint(texts: Sequence[str], types: Sequence[int], bos: int, eos: int) -> str:
+    """sha256 over token strings, token types and the BOS/EOS ids: equal iff the vocabularies match."""
+    h = hashlib.sha256()
+    h.update(f"bos={bos};eos={eos};n={len(texts)}\n".encode())
+    for t, ty in zip(texts, types):
+        h.update(t.encode("utf-8", "surrogatepass"))
+        h.update(b"\x00%d\x01" % ty)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """Text <-> token ids and the chat template of one model (wraps a llama.cpp vocabulary)."""
+
+    def __init__(self, model: "llama_lib.Model") -> None:
+        lib = llama_lib.lib()
+        self._model = model                     # keeps the llama_model alive
+        self._vocab = lib.llama_model_get_vocab(model.ptr)
+        self.n_vocab: int = lib.llama_vocab_n_tokens(self._vocab)
+        self.bos_id: int = lib.llama_vocab_bos(self._vocab)
+        self.eos_id: int = lib.llama_vocab_eos(self._vocab)
+        self.add_bos: bool = bool(lib.llama_vocab_get_add_bos(self._vocab))
+        self.source = model.path
+        tmpl = lib.llama_model_chat_template(model.ptr, None)
+        self.chat_template: str | None = tmpl.decode("utf-8") if tmpl else None
+        self._pieces: dict[int, bytes] = {}
+        self._fingerprint: str | None = None
+        self._texts: list[str] | None = None
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """Load only the vocabulary of a GGUF file (no weights)."""
+        return cls(llama_lib.Model.load(path, vocab_only=True))
+
+    # -- vocabulary ---------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        raw = llama_lib.lib().llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", "surrogateescape") if raw else ""
+
+    def token_texts(self) -> list[str]:
+        if self._texts is None:
+            self._texts = [self.token_text(i) for i in range(self.n_vocab)]
+        return self._texts
+
+    def token_types(self) -> list[int]:
+        lib = llama_lib.lib()
+        return [int(lib.llama_vocab_get_attr(self._vocab, i)) for i in range(self.n_vocab)]
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = vocab_fingerprint(self.token_texts(), self.token_types(), self.bos_id, self.eos_id)
+        return self._fingerprint
+
+    def is_eog(self, token: int) -> bool:
+        """End of generation: EOS, EOT (e.g. <|im_end|>) and the model's other end tokens."""
+        return bool(llama_lib.lib().llama_vocab_is_eog(self._vocab, token))
+
+    # -- text <-> tokens ----------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
+        lib = llama_lib.lib()
+        data = text.encode("utf-8")
+        add = self.add_bos if add_bos is None else add_bos
+        n_max = len(data) + 8
+        buf = (ctypes.c_int32 * n_max)()
+        n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add, special)
+        if n < 0:
+            n_max = -n
+            buf = (ctypes.c_int32 * n_max)()
+            n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add, special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token renders to (control tokens render as nothing)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            lib = llama_lib.lib()
+            buf = ctypes.create_string_buffer(64)
+            n = lib.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            piece = buf.raw[:n]
+            self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> bytes:
+        return b"".join(self.token_bytes(t) for t in tokens)
+
+    # -- chat ---------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages ([{'role', 'content'}]) with the model's template (ChatML if it has none)."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise InvalidArgument(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+        template = self.chat_template
+        if template is None:
+            template = CHATML_TEMPLATE if self._is_single_token("<|im_start|>") else _PLAIN_TEMPLATE
+            log.info("model has no chat template; using a %s template", "ChatML" if template is CHATML_TEMPLATE else "plain")
+        return _render(template, messages, add_generation_prompt,
+                       bos_token=self.token_text(self.bos_id) if self.bos_id >= 0 else "",
+                       eos_token=self.token_text(self.eos_id) if self.eos_id >= 0 else "")
+
+    def _is_single_token(self, text: str) -> bool:
+        return len(self.tokenize(text, special=True, add_bos=False)) == 1
+
+    def chat_prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+        """Chat messages -> prompt tokens. BOS is added only if the template did not write it."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        bos_text = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
+        add_bos = self.add_bos and not (bos_text and text.startswith(bos_text))
+        return self.tokenize(text, special=True, add_bos=add_bos)
+
+
+def _render(template: str, messages, add_generation_prompt: bool, **extra) -> str:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise InvalidArgument(f"chat template refused the messages: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(template).render(messages=list(messages),
+                                                add_generation_prompt=add_generation_prompt, **extra)
+    except TemplateError as e:
+        raise ModelFormatError(f"the model's chat template failed to render: {e}") from e
