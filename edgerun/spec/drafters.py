@@ -1,0 +1,232 @@
+"""Drafters: what proposes the tokens the target verifies. A model on its own backend, or prompt lookup.
+
+A drafter's `propose(context, gamma, sampling, rng)` returns (tokens, q): up to gamma drafted tokens
+and q [len(tokens), V_target], the probabilities each token was drawn from (after the same sampling
+transforms the target gets), or q None when the drafter is a deterministic function of the context
+(verify then treats it as a point mass). A drafter keeps its own state in step lazily: every call
+receives the whole committed context and first rolls back to the common prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..backends.base import Backend
+from ..config import BackendArgs, SamplingArgs, SpeculativeArgs
+from ..errors import InvalidArgument, VocabMismatch
+from .sampling import probs, sample
+
+log = logging.getLogger(__name__)
+
+# llama_token_attr bits (llama.h): UNDEFINED = 0, UNUSED = 1 << 1
+_ATTR_UNUSED = 1 << 1
+_PAD_TEXT = re.compile(r"^(\[PAD\d+\]|<\|?pad(_?\d+)?\|?>|<unused\d+>)$", re.IGNORECASE)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+    vocab_fingerprint: str | None     # None: model-free, fits any vocabulary
+    weight_bytes: int                 # bytes read per drafted token (0 for model-free)
+
+    def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
+                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------- vocabulary
+
+def _is_padding(text: str, attr: int) -> bool:
+    return attr == 0 or bool(attr & _ATTR_UNUSED) or bool(_PAD_TEXT.match(text))
+
+
+def shared_vocab(target: Backend, drafter: Backend) -> int:
+    """Check that the drafter speaks the target's vocabulary; return how many leading ids they share.
+
+    Equal fingerprints share everything. Otherwise the token lists must agree (text, type, BOS/EOS)
+    up to the shorter one, and the longer one may only add padding entries at its end (Qwen2.5
+    ships 151,665 real tokens padded to 151,936 rows). Anything else raises VocabMismatch naming
+    both models and the first token that differs.
+    """
+    t_tok, d_tok = target.tokenizer, drafter.tokenizer
+    if target.vocab_fingerprint == drafter.vocab_fingerprint:
+        return min(t_tok.n_vocab, d_tok.n_vocab, target.n_vocab, drafter.n_vocab)
+    expect = "expected the same vocabulary (a drafter from the target's model family), or one that " \
+             "differs only by padding entries at the end"
+    if (t_tok.bos_id, t_tok.eos_id) != (d_tok.bos_id, d_tok.eos_id):
+        raise VocabMismatch(
+            f"drafter {drafter.name} and target {target.name} have different special tokens: "
+            f"BOS/EOS {d_tok.bos_id}/{d_tok.eos_id} vs {t_tok.bos_id}/{t_tok.eos_id}; {expect}")
+    t_texts, d_texts = t_tok.token_texts(), d_tok.token_texts()
+    t_types, d_types = t_tok.token_types(), d_tok.token_types()
+    n = min(len(t_texts), len(d_texts))
+    for i in range(n):
+        if t_texts[i] != d_texts[i] or t_types[i] != d_types[i]:
+            raise VocabMismatch(
+                f"drafter {drafter.name} and target {target.name} have different vocabularies: "
+                f"token {i} is {d_texts[i]!r} (type {d_types[i]}) in the drafter but {t_texts[i]!r} "
+                f"(type {t_types[i]}) in the target; {expect}")
+    longer_texts, longer_types, who = (t_texts, t_types, target) if len(t_texts) > n else (d_texts, d_types, drafter)
+    for i in range(n, len(longer_texts)):
+        if not _is_padding(longer_texts[i], longer_types[i]):
+            raise VocabMismatch(
+                f"drafter {drafter.name} has {len(d_texts)} tokens and target {target.name} has "
+                f"{len(t_texts)}: token {i} {longer_texts[i]!r} of {who.name} is a real token, not "
+                f"padding; {expect}")
+    log.info("drafter %s and target %s share %d tokens; the rest are padding and are never drafted",
+             drafter.name, target.name, n)
+    return min(n, target.n_vocab, drafter.n_vocab)
+
+
+# ---------------------------------------------------------------------------------- drafters
+
+class ModelDrafter:
+    """A smaller model of the same vocabulary on its own backend (and KV cache)."""
+
+    def __init__(self, backend: Backend, target: Backend | None = None, *, p_min: float = 0.0,
+                 name: str | None = None) -> None:
+        if not 0.0 <= p_min < 1.0:
+            raise InvalidArgument(f"p_min must be in [0, 1), got {p_min!r}")
+        self.backend = backend
+        self.name = name or backend.name
+        self.vocab_fingerprint: str | None = backend.vocab_fingerprint
+        self.weight_bytes = backend.weight_bytes
+        self.p_min = p_min
+        if target is None:
+            self.n_out = self.n_shared = backend.n_vocab
+        else:
+            self.n_shared = shared_vocab(target, backend)
+            self.n_out = target.n_vocab
+            if backend.weight_bytes > target.weight_bytes:
+                log.warning("drafter %s (%.0f MB of weights) is larger than target %s (%.0f MB): "
+                            "speculation will be slower than plain decoding",
+                            self.name, backend.weight_bytes / 1e6, target.name, target.weight_bytes / 1e6)
+
+    def _q(self, logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int]) -> np.ndarray:
+        """Drafter logits [V_d] -> probabilities over the target's ids [V_target], padding masked."""
+        V_d = logits.shape[-1]
+        if self.n_shared < V_d:
+            logits = logits.astype(np.float32, copy=True)
+            logits[self.n_shared:] = -np.inf
+        q = probs(logits, sampling, context)
+        if V_d == self.n_out:
+            return q
+        out = np.zeros(self.n_out, dtype=np.float64)
+        out[: self.n_shared] = q[: self.n_shared]
+        return out
+
+    def _top_prob(self, logits: np.ndarray) -> float:
+        """Largest softmax probability of the raw logits (temperature 1): the drafter's confidence."""
+        x = logits[: self.n_shared].astype(np.float64)
+        m = x.max()
+        return float(1.0 / np.exp(x - m).sum())
+
+    def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
+                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+        be = self.backend
+        ctx = list(context)
+        gamma = min(gamma, be.n_ctx - len(ctx) + 1)     # the last drafted token is never evaluated
+        if gamma <= 0 or not ctx:
+            return [], None
+        # roll back to the common prefix; the last context token is always (re)evaluated for its logits
+        keep = 0
+        cached = be.tokens
+        n = min(len(cached), len(ctx) - 1)
+        while keep < n and cached[keep] == ctx[keep]:
+            keep += 1
+        be.truncate(keep)
+        logits = be.eval(ctx[keep:], n_logits=1)[-1]        # [V_d]
+        tokens: list[int] = []
+        rows: list[np.ndarray] = []
+        for i in range(gamma):
+            if self.p_min > 0.0 and self._top_prob(logits) < self.p_min:
+                break
+            q = self._q(logits, sampling, ctx + tokens)
+            x = sample(q, rng)
+            tokens.append(x)
+            rows.append(q)
+            if i + 1 < gamma:
+                logits = be.eval([x])[-1]
+        return tokens, (np.stack(rows) if rows else None)     # q [len(tokens), V_target]
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class PromptLookupDrafter:
+    """Model-free drafting: find the latest earlier occurrence of the context's last n tokens
+    (n from ngram_max down to ngram_min) and propose what followed it. Zero extra memory."""
+
+    name = "lookup"
+    vocab_fingerprint = None
+    weight_bytes = 0
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
+        if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max):
+            raise InvalidArgument(
+                f"prompt lookup needs integers 1 <= ngram_min <= ngram_max, got {ngram_min!r}, {ngram_max!r}")
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
+                rng: np.random.Generator) -> tuple[list[int], None]:
+        L = len(context)
+        if gamma <= 0 or L < 2:
+            return [], None
+        arr = np.asarray(context, dtype=np.int64)
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            # windows [L-n, n]: window s is arr[s:s+n], each followed by at least one token
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+            hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                # copy what followed; a copy that runs into the end of the context continues with
+                # its own output (an overlapping copy, as in LZ77), so periodic text drafts a full gamma
+                out = list(context[start:start + gamma])
+                while len(out) < gamma:
+                    out.append(out[len(out) - (L - start)])
+                return out, None
+        return [], None
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------- factory
+
+def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs | None = None,
+                 spec_args: SpeculativeArgs | None = None, pull: bool = True) -> Drafter | None:
+    """'none' / None -> no drafter; 'lookup' -> PromptLookupDrafter; otherwise a model name from the
+    registry or a path to a model file, loaded on the backend that fits it and checked against
+    the target's vocabulary."""
+    spec_args = spec_args or SpeculativeArgs()
+    if spec is None or spec == "none":
+        return None
+    if spec == "lookup":
+        return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
+    from ..registry import resolve_model
+
+    path = Path(resolve_model(spec, pull=pull))
+    backend = open_backend(path, backend_args or BackendArgs())
+    try:
+        return ModelDrafter(backend, target, p_min=spec_args.p_min, name=spec)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def open_backend(path: Path, args: BackendArgs) -> Backend:
+    """A drafter model's backend: llama.cpp for a .gguf file, onnxruntime for an exported directory."""
+    if path.is_dir():
+        from ..backends.onnxrt import OnnxBackend
+
+        return OnnxBackend(path, args)
+    from ..backends.llamacpp import LlamaCppBackend
+
+    return LlamaCppBackend(path, args)
