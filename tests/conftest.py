@@ -1,0 +1,39 @@
+"""Shared pytest fixtures. tests/ is on sys.path (pytest rootdir conftest), so `import tinymodel` works."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tinymodel import write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """make(**kwargs) -> Path of a tiny GGUF (write_tiny_model kwargs), cached per session by kwargs."""
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    def make(**kw) -> Path:
+        key = tuple(sorted(kw.items()))
+        if key not in cache:
+            cache[key] = write_tiny_model(root / f"m{len(cache)}.gguf", **kw)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    """Tiny llama-arch F32 GGUF (d 64, 2 layers, 4/2 heads, gpt2 BPE vocab, ChatML template)."""
+    return tiny_model_factory(arch="llama", wtype="f32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model_factory) -> Path:
+    """Tiny qwen2-arch F32 GGUF with q/k/v biases and tied output."""
+    return tiny_model_factory(arch="qwen2", wtype="f32", tied=True, seed=0)
