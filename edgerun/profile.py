@@ -302,30 +302,30 @@ def list_profiles() -> list[str]:
     return sorted(_profile_files())
 
 
-def _raw_profile(path: Path, files: dict[str, Path], chain: tuple[str, ...] = ()) -> dict:
+def _raw_profile(path: Path, files: dict[str, Path], chain: tuple[Path, ...] = ()) -> dict:
     data = _read_yaml(path)
     _build(DeviceProfile, {"name": data.get("name", path.stem), **data}, "", path)   # key check of this file alone
     parent = data.get("extends")
     if parent is None:
         return data
-    if parent in chain:
-        raise ProfileError(f"{path}: 'extends: {parent}' makes a cycle ({' -> '.join(chain + (parent,))})")
     base_path = files.get(parent)
-    if base_path is None or base_path == path:
+    if base_path is None or base_path.resolve() == path.resolve():
         # a user file extending the shipped profile of the same name
         shipped = _shipped_dir() / f"{parent}.yaml"
-        if shipped.is_file() and shipped != path:
-            base_path = shipped
-        else:
+        if not shipped.is_file() or shipped.resolve() == path.resolve():
             raise ProfileError(f"{path}: extends unknown profile {parent!r}; known: {', '.join(sorted(files))}")
-    base = _raw_profile(base_path, files, chain + (parent,))
+        base_path = shipped
+    if base_path.resolve() in chain:
+        raise ProfileError(f"{path}: 'extends: {parent}' makes a cycle through {base_path}")
+    base = _raw_profile(base_path, files, chain + (path.resolve(),))
     merged = _merge(base, {k: v for k, v in data.items() if k != "extends"})
     merged.pop("extends", None)
+    merged["name"] = data.get("name", path.stem)     # the name is the file's own, never inherited
     return merged
 
 
 def _load_file(path: Path, files: dict[str, Path]) -> DeviceProfile:
-    raw = _raw_profile(path, files, (path.stem,))
+    raw = _raw_profile(path, files)
     raw.setdefault("name", path.stem)
     prof = _build(DeviceProfile, raw, "", path)
     _validate(prof, path)

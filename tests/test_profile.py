@@ -1,0 +1,225 @@
+"""Device profiles: every shipped profile loads, typos are caught, detection works on faked board files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgerun import profile as P
+from edgerun.config import BackendArgs
+from edgerun.errors import InvalidArgument, MemoryBudgetError, ProfileError
+
+SHIPPED = sorted(p.stem for p in (Path(P.__file__).parent / "data" / "device_profiles").glob("*.yaml"))
+
+REQUIRED = {"jetson-orin-nano-8gb", "jetson-orin-nx-16gb", "jetson-agx-orin-64gb", "rpi5-8gb", "rpi4-8gb",
+            "apple-m1", "apple-m2", "apple-m3", "apple-m4", "generic-x86_64-cpu", "generic-arm64-cpu"}
+
+
+@pytest.fixture(autouse=True)
+def _no_user_profiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGERUN_PROFILES_DIR", str(tmp_path / "user-profiles"))
+    monkeypatch.delenv("EDGERUN_PROFILE", raising=False)
+
+
+def test_required_profiles_are_shipped():
+    assert REQUIRED <= set(SHIPPED)
+    assert set(P.list_profiles()) == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_profile_loads(name):
+    p = P.load_profile(name)
+    assert p.name == name and p.description
+    args = p.backend_args()
+    assert isinstance(args, BackendArgs) and args.flash_attn
+    assert p.priors.bandwidth_gbs and p.priors.bandwidth_gbs > 0
+    assert p.priors.peak_gflops and p.priors.peak_gflops > 0
+    assert p.budget_bytes(16 * P.GiB) > 0
+    if p.memory.budget_gib is not None and p.memory.total_gib is not None:
+        assert p.memory.budget_gib < p.memory.total_gib
+    if name.startswith("jetson"):
+        assert "CMAKE_CUDA_ARCHITECTURES=87" in p.build.cmake_args and args.n_gpu_layers == -1
+    if name.startswith("apple"):
+        assert "GGML_METAL=on" in p.build.cmake_args and p.priors.compute == "metal"
+    if name == "rpi5-8gb":
+        assert "dotprod" in p.build.cmake_args
+    if name == "rpi4-8gb":
+        assert "dotprod" not in p.build.cmake_args
+
+
+def test_backend_args_overrides():
+    p = P.load_profile("rpi5-8gb")
+    a = p.backend_args(n_ctx=1024, n_threads=None)     # None means "not given": the profile's value stays
+    assert a.n_ctx == 1024 and a.n_threads == 4
+    with pytest.raises(InvalidArgument, match="n_ctxx"):
+        p.backend_args(n_ctxx=5)
+
+
+def _write(d: Path, name: str, text: str) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    f = d / name
+    f.write_text(text)
+    return f
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    f = _write(tmp_path, "mine.yaml", "name: mine\nllama:\n  n_thread: 4\n")
+    with pytest.raises(ProfileError) as e:
+        P.load_profile(str(f))
+    assert "llama.'n_thread'" in str(e.value) and str(f) in str(e.value) and "n_threads" in str(e.value)
+
+
+def test_top_level_typo_and_wrong_type(tmp_path):
+    f = _write(tmp_path, "a.yaml", "name: a\ngama_max: 4\n")
+    with pytest.raises(ProfileError, match="unknown key 'gama_max'"):
+        P.load_profile(str(f))
+    f = _write(tmp_path, "b.yaml", "name: b\nllama:\n  flash_attn: 'yes'\n")
+    with pytest.raises(ProfileError, match=r"llama\.flash_attn must be true or false"):
+        P.load_profile(str(f))
+    f = _write(tmp_path, "c.yaml", "name: c\nllama:\n  n_threads: 2.5\n")
+    with pytest.raises(ProfileError, match=r"llama\.n_threads must be an integer"):
+        P.load_profile(str(f))
+    f = _write(tmp_path, "d.yaml", "name: d\nname: e\n")
+    with pytest.raises(ProfileError, match="duplicate key 'name'"):
+        P.load_profile(str(f))
+    f = _write(tmp_path, "e.yaml", "name: e\npriors:\n  bandwidth_gbs: fast\n")
+    with pytest.raises(ProfileError, match=r"priors\.bandwidth_gbs must be a number"):
+        P.load_profile(str(f))
+
+
+def test_exponent_strings_are_numbers(tmp_path):
+    # PyYAML reads '1e2' (no dot) as a string; float fields convert it explicitly
+    f = _write(tmp_path, "x.yaml", "name: x\npriors:\n  bandwidth_gbs: 1e2\n  peak_gflops: 5e-1\n")
+    p = P.load_profile(str(f))
+    assert p.priors.bandwidth_gbs == 100.0 and p.priors.peak_gflops == 0.5
+
+
+def test_user_dir_overrides_and_extends(tmp_path, monkeypatch):
+    user = tmp_path / "user-profiles"
+    _write(user, "rpi5-8gb.yaml", "extends: rpi5-8gb\nllama:\n  n_ctx: 1024\n")
+    _write(user, "my-board.yaml", "extends: generic-arm64-cpu\nmemory:\n  budget_gib: 3\n")
+    p = P.load_profile("rpi5-8gb")
+    assert p.llama.n_ctx == 1024 and p.llama.n_threads == 4 and str(user) in p.path
+    q = P.load_profile("my-board")
+    assert q.name == "my-board" and q.memory.budget_gib == 3 and q.match.machine == ("aarch64", "arm64")
+    assert "my-board" in P.list_profiles()
+    _write(user, "bad.yaml", "extends: rpi5-8gb\nllama:\n  nctx: 1\n")
+    with pytest.raises(ProfileError, match=r"bad\.yaml: unknown key llama\.'nctx'"):
+        P.load_profile("bad")
+    with pytest.raises(ProfileError, match="unknown device profile 'nope'"):
+        P.load_profile("nope")
+
+
+# --- detection on faked board files -----------------------------------------------------------
+
+def _board(root: Path, *, model: str | None = None, compatible: list[str] | None = None,
+           tegra: str | None = None, mem_gib: float = 8.0) -> Path:
+    (root / "proc").mkdir(parents=True, exist_ok=True)
+    (root / "proc/meminfo").write_text(f"MemTotal:       {int(mem_gib * 1024 * 1024)} kB\nMemFree: 1 kB\n")
+    if model is not None or compatible is not None:
+        (root / "proc/device-tree").mkdir(parents=True)
+        if model is not None:
+            (root / "proc/device-tree/model").write_bytes(model.encode() + b"\x00")
+        if compatible is not None:
+            (root / "proc/device-tree/compatible").write_bytes(b"".join(c.encode() + b"\x00" for c in compatible))
+    if tegra is not None:
+        (root / "etc").mkdir(parents=True, exist_ok=True)
+        (root / "etc/nv_tegra_release").write_text(tegra + "\n")
+    return root
+
+
+L4T = "# R36 (release), REVISION: 3.0, GCID: 36923193, BOARD: generic, EABI: aarch64"
+
+BOARDS = {
+    "jetson-orin-nano-8gb": dict(model="NVIDIA Jetson Orin Nano Developer Kit", tegra=L4T, mem_gib=7.4,
+                                 compatible=["nvidia,p3768-0000+p3767-0005", "nvidia,p3767-0005", "nvidia,tegra234"]),
+    "jetson-orin-nx-16gb": dict(model="NVIDIA Jetson Orin NX Engineering Reference Developer Kit", tegra=L4T,
+                                mem_gib=15.3, compatible=["nvidia,p3768-0000+p3767-0000", "nvidia,p3767-0000",
+                                                          "nvidia,tegra234"]),
+    "jetson-agx-orin-64gb": dict(model="Jetson AGX Orin Developer Kit", tegra=L4T, mem_gib=61.4,
+                                 compatible=["nvidia,p3737-0000+p3701-0005", "nvidia,p3701-0005", "nvidia,tegra234"]),
+    "rpi5-8gb": dict(model="Raspberry Pi 5 Model B Rev 1.0", compatible=["raspberrypi,5-model-b", "brcm,bcm2712"],
+                     mem_gib=7.9),
+    "rpi4-8gb": dict(model="Raspberry Pi 4 Model B Rev 1.4", compatible=["raspberrypi,4-model-b", "brcm,bcm2711"],
+                     mem_gib=7.6),
+}
+APPLE = {"apple-m1": "Apple M1", "apple-m2": "Apple M2 Pro", "apple-m3": "Apple M3 Max", "apple-m4": "Apple M4"}
+
+
+def test_every_shipped_profile_has_a_detection_case():
+    covered = set(BOARDS) | set(APPLE) | {"generic-x86_64-cpu", "generic-arm64-cpu"}
+    assert covered == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_detect_linux_boards(tmp_path, name):
+    root = _board(tmp_path / "root", **BOARDS[name])
+    prof, reason = P.detect(root, system="Linux", machine="aarch64")
+    assert prof.name == name, reason
+    assert "device tree" in reason
+
+
+def test_detect_jetson_from_compatible_only(tmp_path):
+    # no /etc/nv_tegra_release (e.g. a container without L4T files) and no model file
+    root = _board(tmp_path / "r", compatible=["nvidia,p3768-0000+p3767-0000", "nvidia,p3767-0000", "nvidia,tegra234"],
+                  mem_gib=15.3)
+    prof, reason = P.detect(root, system="Linux", machine="aarch64")
+    assert prof.name == "jetson-orin-nx-16gb" and "tegra" in reason
+
+
+@pytest.mark.parametrize("name", sorted(APPLE))
+def test_detect_apple(tmp_path, name):
+    values = {"machdep.cpu.brand_string": APPLE[name], "hw.memsize": str(16 * 1024 ** 3)}
+    prof, reason = P.detect(tmp_path, system="Darwin", machine="arm64", sysctl=values.get)
+    assert prof.name == name and APPLE[name] in reason
+
+
+@pytest.mark.parametrize("machine,name", [("x86_64", "generic-x86_64-cpu"), ("aarch64", "generic-arm64-cpu"),
+                                          ("arm64", "generic-arm64-cpu")])
+def test_detect_generic(tmp_path, machine, name):
+    root = _board(tmp_path / "root", mem_gib=23.4)
+    prof, reason = P.detect(root, system="Linux", machine=machine)
+    assert prof.name == name and "generic" in reason
+
+
+def test_detect_unknown_arm_board_and_intel_mac_are_generic(tmp_path):
+    root = _board(tmp_path / "root", model="Pine64 RockPro64 v2.1", compatible=["pine64,rockpro64", "rockchip,rk3399"])
+    assert P.detect(root, system="Linux", machine="aarch64")[0].name == "generic-arm64-cpu"
+    intel = {"machdep.cpu.brand_string": "Intel(R) Core(TM) i7-8559U", "hw.memsize": str(16 * 1024 ** 3)}
+    assert P.detect(tmp_path, system="Darwin", machine="x86_64", sysctl=intel.get)[0].name == "generic-x86_64-cpu"
+
+
+def test_memory_breaks_ties_and_is_reported(tmp_path):
+    # a Pi 5 with 4 GB still gets the Pi 5 build flags, and the reason says memory is outside the range
+    root = _board(tmp_path / "root", **{**BOARDS["rpi5-8gb"], "mem_gib": 3.9})
+    prof, reason = P.detect(root, system="Linux", machine="aarch64")
+    assert prof.name == "rpi5-8gb" and "OUTSIDE" in reason
+
+
+def test_detect_no_match(tmp_path):
+    with pytest.raises(ProfileError, match="no device profile matches"):
+        P.detect(tmp_path, system="Linux", machine="riscv64")
+
+
+def test_resolve(monkeypatch):
+    assert P.resolve("rpi4-8gb")[0].name == "rpi4-8gb"
+    monkeypatch.setenv("EDGERUN_PROFILE", "apple-m2")
+    prof, reason = P.resolve("auto")
+    assert prof.name == "apple-m2" and "EDGERUN_PROFILE" in reason
+
+
+# --- memory fit -------------------------------------------------------------------------------
+
+def test_memory_fit_passes_and_refuses_with_numbers():
+    p = P.load_profile("jetson-orin-nano-8gb")   # budget 5.5 GiB
+    P.check_memory_fit(p, target_bytes=1 * P.GiB, draft_bytes=500 * P.MiB, kv_bytes=200 * P.MiB,
+                       available_bytes=7 * P.GiB)
+    with pytest.raises(MemoryBudgetError) as e:
+        P.check_memory_fit(p, target_bytes=4 * P.GiB, draft_bytes=1 * P.GiB, kv_bytes=2 * P.GiB, n_ctx=8192,
+                           available_bytes=7 * P.GiB)
+    msg = str(e.value)
+    assert "4.00 GiB" in msg and "5.50 GiB" in msg and "--n-ctx" in msg and "--draft none" in msg
+    # the memory available right now limits too, whatever the profile says
+    with pytest.raises(MemoryBudgetError, match="available now"):
+        P.check_memory_fit(p, target_bytes=1 * P.GiB, available_bytes=1 * P.GiB)
