@@ -1,0 +1,41 @@
+"""edgerun: offline LLM runtime for edge boards.
+
+    import edgerun
+    rt = edgerun.load("smollm2-135m-instruct")
+    print(rt.chat([{"role": "user", "content": "Hi!"}], max_tokens=64).text)
+"""
+
+__version__ = "0.1.0"
+
+from . import errors  # noqa: E402
+from .errors import EdgerunError  # noqa: E402
+
+
+def load(*args, **kwargs):
+    """Load a model (and drafter) into a Runtime. See edgerun.runtime.load."""
+    from .runtime import load as _load
+
+    return _load(*args, **kwargs)
+
+
+def quantize(*args, **kwargs):
+    """Quantize a float checkpoint to an INT4 GGUF. See edgerun.quant.pipeline.quantize."""
+    from .quant.pipeline import quantize as _quantize
+
+    return _quantize(*args, **kwargs)
+
+
+def __getattr__(name):
+    if name in ("Runtime", "Completion"):
+        from . import runtime
+
+        return getattr(runtime, name)
+    if name in ("SamplingArgs", "SpeculativeArgs", "BackendArgs", "QuantArgs"):
+        from . import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'edgerun' has no attribute {name!r}")
+
+
+__all__ = ["load", "quantize", "Runtime", "Completion", "EdgerunError", "errors",
+           "SamplingArgs", "SpeculativeArgs", "BackendArgs", "QuantArgs"]

@@ -48,28 +48,9 @@ def lib():
 
 def check_gguf(path: str | Path) -> Path:
     """Raise a clear error unless `path` is a complete GGUF file (magic, header, tensor data in bounds)."""
-    p = Path(path)
-    if not p.exists():
-        raise ModelNotFound(f"model file not found: {p}")
-    if p.is_dir():
-        raise ModelFormatError(f"{p} is a directory, expected a .gguf file")
-    size = p.stat().st_size
-    with open(p, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelFormatError(f"{p} is not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
-    try:
-        from gguf import GGUFReader
+    from .ggufmeta import read_info
 
-        reader = GGUFReader(p)
-        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-    except (ValueError, IndexError, OSError, KeyError) as e:
-        raise ModelFormatError(f"{p} is a damaged or truncated GGUF file: {e}") from e
-    if end > size:
-        raise ModelFormatError(
-            f"{p} is truncated: tensor data needs {end:,} bytes but the file has {size:,}; "
-            f"pull or copy it again")
-    return p
+    return read_info(path).path
 
 
 class Model:

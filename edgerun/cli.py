@@ -1,0 +1,206 @@
+"""`edgerun` command line: a thin click layer over the Python API.
+
+Every EdgerunError becomes one line on stderr (`error: ...`) and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+
+import click
+
+from . import __version__
+from .errors import EdgerunError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class _Group(click.Group):
+    """Turns library errors into a one-line message and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except EdgerunError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="edgerun")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (-vv: llama.cpp's own log too).")
+def main(verbose: int) -> None:
+    """edgerun: offline LLM runtime for edge boards (llama.cpp / onnxruntime, AWQ INT4, exact speculative decoding)."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def progress_printer():
+    """A registry progress callback drawing one updating line on stderr."""
+
+    def cb(stage: str, done: int, total: int) -> None:
+        if total:
+            click.echo(f"\r{stage}: {done / 1e6:8.1f} / {total / 1e6:.1f} MB ({100 * done / total:5.1f}%)",
+                       err=True, nl=False)
+            if done >= total:
+                click.echo("", err=True)
+        else:
+            click.echo(f"\r{stage}: {done / 1e6:8.1f} MB", err=True, nl=False)
+
+    return cb
+
+
+def model_options(f):
+    """Options shared by every command that loads a model."""
+    opts = [
+        click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
+                     help="Registry name (see `edgerun list`), .gguf path, or exported ONNX directory."),
+        click.option("--draft", default="auto", show_default=True,
+                     help="Drafter: 'auto' (the registry's pair, else none), 'none', 'lookup', or a model."),
+        click.option("--gamma", default="auto", show_default=True,
+                     help="Draft length per cycle: an integer (0 = plain decoding) or 'auto' (tuned)."),
+        click.option("--profile", "profile_name", default="auto", show_default=True,
+                     help="Device profile name or YAML path ('auto' detects the board)."),
+        click.option("--ctx", "n_ctx", type=int, default=None, help="Context size in tokens (profile default)."),
+        click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (profile default)."),
+        click.option("--gpu-layers", "n_gpu_layers", type=int, default=None, help="Layers offloaded to the GPU."),
+        click.option("--no-pull", is_flag=True, help="Fail instead of downloading a model that is not cached."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def sampling_options(f):
+    opts = [
+        click.option("--max-tokens", "-n", type=int, default=256, show_default=True, help="Tokens to generate at most."),
+        click.option("--temperature", "-t", type=float, default=None, help="0 = greedy. Default 0.8."),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off). Default 40."),
+        click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1]. Default 0.95."),
+        click.option("--min-p", type=float, default=None, help="Drop tokens below min_p x the top probability. Default 0.05."),
+        click.option("--repeat-penalty", type=float, default=None, help="Penalty on recent tokens (1 = off)."),
+        click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull):
+    from .runtime import load
+
+    return load(model, draft=draft, profile=profile_name, n_ctx=n_ctx, n_threads=n_threads,
+                n_gpu_layers=n_gpu_layers, gamma=gamma, pull=not no_pull, progress=progress_printer())
+
+
+def _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed) -> dict:
+    from .config import SamplingArgs
+
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    SamplingArgs(**kw)          # validate before any model is loaded
+    return kw
+
+
+@main.command()
+@click.argument("prompt")
+@model_options
+@sampling_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
+def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, max_tokens,
+             temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, as_json):
+    """Complete PROMPT (raw text; '-' reads it from stdin)."""
+    from .errors import InvalidArgument
+    from .runtime import _parse_gamma
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    kw = _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    _parse_gamma(gamma)
+    if max_tokens < 0:
+        raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
+    with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
+        if as_json:
+            c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **kw)
+            out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
+            click.echo(json.dumps(out))
+        else:
+            for step in rt.stream(prompt, max_tokens=max_tokens, stop=stop, **kw):
+                click.echo(step.text, nl=False)
+                sys.stdout.flush()
+            click.echo("")
+
+
+def _print_stats(rt) -> None:
+    for label, st in (("last answer", rt.last_stats), ("session", rt.session_stats)):
+        if st is None:
+            continue
+        d = st.to_dict()
+        click.echo(f"[{label}] tokens {d['n_tokens']}, {d['tokens_per_s']:.1f} tok/s, prompt {d['n_prompt_tokens']} "
+                   f"tokens, prefill {d['t_prefill_s']:.2f}s, cycles {d['n_cycles']}, mean gamma "
+                   f"{d['gamma_mean']:.2f}, acceptance {d['acceptance_rate']:.1%}, histogram {d['accept_histogram']}",
+                   err=True)
+
+
+@main.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System prompt.")
+def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, max_tokens,
+         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system):
+    """Interactive multi-turn chat. /reset clears history, /stats shows speed, /exit quits; Ctrl-C stops an answer."""
+    kw = _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
+        base = [{"role": "system", "content": system}] if system else []
+        messages = list(base)
+        click.echo(f"edgerun chat - {rt.model_name}" + (f" (draft: {rt.draft_name})" if rt.draft_name else "")
+                   + ". /reset /stats /exit; Ctrl-C stops an answer, Ctrl-D quits.", err=True)
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                click.echo("", err=True)
+                break
+            except KeyboardInterrupt:
+                click.echo("\n(Ctrl-D or /exit to quit)", err=True)
+                continue
+            cmd = line.strip()
+            if not cmd:
+                continue
+            if cmd in ("/exit", "/quit", "/bye"):
+                break
+            if cmd == "/reset":
+                messages = list(base)
+                rt.reset()
+                click.echo("(history cleared)", err=True)
+                continue
+            if cmd == "/stats":
+                _print_stats(rt)
+                continue
+            if cmd.startswith("/"):
+                click.echo(f"unknown command {cmd}; use /reset, /stats or /exit", err=True)
+                continue
+            messages.append({"role": "user", "content": line})
+            pieces = []
+            stream = rt.chat_stream(messages, max_tokens=max_tokens, stop=stop, **kw)
+            try:
+                for step in stream:
+                    pieces.append(step.text)
+                    click.echo(step.text, nl=False)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                stream.close()          # cancels generation; the decode loop rolls the caches back
+                click.echo(" [stopped]", nl=False)
+            except EdgerunError as e:
+                messages.pop()
+                click.echo(f"\nerror: {e}", err=True)
+                continue
+            click.echo("")
+            messages.append({"role": "assistant", "content": "".join(pieces)})
+
+
+# ---- commands of other modules are registered below (each in its own section) ----

@@ -1,0 +1,193 @@
+"""Runtime: profile + target backend + tokenizer + drafter + gamma policy, behind generate / stream / chat."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .backends import model_memory, open_backend
+from .config import BackendArgs, SamplingArgs, SpeculativeArgs
+from .errors import ContextOverflow, InvalidArgument
+from .generate import GenStats, Step, generate
+from .spec.gamma import FixedGamma
+
+log = logging.getLogger(__name__)
+
+_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str            # 'stop' (stop string) | 'eos' (end-of-generation token) | 'length'
+    n_prompt_tokens: int
+    n_tokens: int
+    stats: GenStats = field(default_factory=GenStats)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "finish_reason": self.finish_reason, "n_prompt_tokens": self.n_prompt_tokens,
+                "n_tokens": self.n_tokens, **self.stats.to_dict()}
+
+
+def _parse_gamma(gamma) -> int | None:
+    if gamma is None or gamma == "auto":
+        return None
+    if isinstance(gamma, str):
+        if not gamma.strip().lstrip("-").isdigit():
+            raise InvalidArgument(f"gamma must be 'auto' or an integer, got {gamma!r}")
+        gamma = int(gamma)
+    SpeculativeArgs(gamma=gamma)          # validates the range
+    return gamma
+
+
+class Runtime:
+    """A loaded target (+ optional drafter). Serves one generation at a time."""
+
+    def __init__(self, target, *, model_name: str, drafter=None, draft_name: str | None = None,
+                 profile=None, spec: SpeculativeArgs = SpeculativeArgs(), policy=None,
+                 sampling: SamplingArgs = SamplingArgs()) -> None:
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.model_name = model_name
+        self.drafter = drafter
+        self.draft_name = draft_name
+        self.profile = profile
+        self.spec = spec
+        self.sampling = sampling
+        self.policy = policy if policy is not None else FixedGamma(spec.gamma if spec.gamma is not None else 4)
+        self.last_stats: GenStats | None = None
+        self.session_stats = GenStats()
+
+    @property
+    def n_ctx(self) -> int:
+        return self.target.n_ctx
+
+    # -- helpers ------------------------------------------------------------------------------
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.tokenize(text, special=special)
+
+    def sampling_args(self, **kw) -> SamplingArgs:
+        unknown = set(kw) - set(_SAMPLING_KEYS)
+        if unknown:
+            raise InvalidArgument(f"unknown sampling option(s) {sorted(unknown)}; expected some of {list(_SAMPLING_KEYS)}")
+        return replace(self.sampling, **{k: v for k, v in kw.items() if v is not None})
+
+    def _policy_for(self, gamma) -> object:
+        g = _parse_gamma(gamma)
+        return self.policy if g is None else FixedGamma(g)
+
+    def _check_prompt(self, tokens: Sequence[int]) -> None:
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflow(
+                f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx} "
+                f"(at least one position must stay free to generate); shorten the prompt or raise --ctx")
+
+    # -- generation ---------------------------------------------------------------------------
+    def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
+                      gamma=None, stats: GenStats | None = None, **sampling_kw) -> Iterator[Step]:
+        """The decode loop on explicit prompt tokens. Closing the iterator cancels and rolls back."""
+        sampling = self.sampling_args(**sampling_kw)
+        if isinstance(stop, str):
+            stop = [stop]
+        self._check_prompt(prompt_tokens)
+        policy = self._policy_for(gamma)
+        stats = stats if stats is not None else GenStats()
+        rng = np.random.default_rng(sampling.seed)
+        try:
+            yield from generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
+                                drafter=self.drafter, policy=policy, rng=rng, stats=stats)
+        finally:
+            self.last_stats = stats
+            self.session_stats.merge(stats)
+
+    def stream(self, prompt: str, **kw) -> Iterator[Step]:
+        return self.stream_tokens(self.tokenize(prompt), **kw)
+
+    def chat_stream(self, messages: Sequence[dict], **kw) -> Iterator[Step]:
+        return self.stream_tokens(self.tokenizer.chat_prompt_tokens(messages), **kw)
+
+    def _complete(self, prompt_tokens: list[int], **kw) -> Completion:
+        stats = GenStats()
+        steps = list(self.stream_tokens(prompt_tokens, stats=stats, **kw))
+        return Completion(text="".join(s.text for s in steps), tokens=[s.token for s in steps],
+                          finish_reason=stats.finish_reason or "length", n_prompt_tokens=len(prompt_tokens),
+                          n_tokens=stats.n_tokens, stats=stats)
+
+    def generate(self, prompt: str, **kw) -> Completion:
+        """Complete `prompt` (raw text, no chat template)."""
+        return self._complete(self.tokenize(prompt), **kw)
+
+    def chat(self, messages: Sequence[dict], **kw) -> Completion:
+        """Answer the last message of a conversation, using the model's chat template."""
+        return self._complete(self.tokenizer.chat_prompt_tokens(messages), **kw)
+
+    def reset(self) -> None:
+        """Forget the cached conversation (KV caches of target and drafter)."""
+        self.target.truncate(0)
+        if self.drafter is not None and hasattr(self.drafter, "reset"):
+            self.drafter.reset()
+
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+        self.target.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(model: str | Path = "smollm2-135m-instruct", draft: str | None = "auto", profile: str = "auto", *,
+         n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
+         flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
+         pull: bool = True, progress=None, sampling: SamplingArgs | None = None) -> Runtime:
+    """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
+
+    draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
+    profile: 'auto' (detect the device), a profile name, or a YAML path.
+    """
+    from . import profile as profiles
+    from .registry import default_draft_for, resolve_model
+    from .spec.drafters import make_drafter
+
+    prof, why = profiles.resolve(profile)
+    log.info("device profile %s (%s)", prof.name, why)
+    overrides = {k: v for k, v in dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                                       flash_attn=flash_attn).items() if v is not None}
+    args: BackendArgs = prof.backend_args(**overrides)
+    spec = SpeculativeArgs(gamma=_parse_gamma(gamma),
+                           **{k: v for k, v in dict(gamma_max=gamma_max, p_min=p_min).items() if v is not None})
+
+    target_path = Path(resolve_model(str(model), pull=pull, progress=progress))
+    if draft == "auto":
+        draft = default_draft_for(str(model))
+    draft_path = None
+    if draft not in (None, "none", "lookup"):
+        draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))
+    target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
+    draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
+    profiles.check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
+                              kv_bytes=kv_bytes + draft_kv, n_ctx=args.n_ctx)
+
+    target = open_backend(target_path, args)
+    try:
+        drafter = make_drafter(None if draft is None else (str(draft_path) if draft_path else draft), target,
+                               backend_args=args, spec_args=spec, pull=pull)
+        policy = None
+        if drafter is not None and spec.gamma is None:
+            from .spec.gamma import GammaTuner
+
+            policy = GammaTuner.for_runtime(prof, target, drafter, spec)
+        return Runtime(target, model_name=str(model), drafter=drafter,
+                       draft_name=None if draft in (None, "none") else str(draft), profile=prof, spec=spec,
+                       policy=policy, sampling=sampling or SamplingArgs())
+    except BaseException:
+        target.close()
+        raise
