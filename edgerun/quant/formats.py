@@ -1,0 +1,280 @@
+"""Q4_0 / Q4_1 / Q8_0 blocks (and ONNX MatMulNBits) in pure numpy, byte-exact vs `gguf.quants`.
+
+A block is 32 consecutive elements of a row (the input dimension of a linear weight [out, in]).
+
+- Q4_0: fp16 d + 16 bytes; byte j = element j (low nibble) | element j+16 (high nibble);
+  value = (q - 8) * d.
+- Q4_1: fp16 d, fp16 m + 16 bytes (same nibble order); value = q * d + m.
+- Q8_0: fp16 d + 32 int8; value = q * d.
+
+The format fixes how a block is decoded, not how d (and m) are chosen. `pack(fmt, w)` with no
+params is round-to-nearest exactly as `gguf.quants` / llama.cpp's reference quantizer does it
+(d = signed max / -8 for Q4_0, (max - min) / 15 for Q4_1). `search_params(fmt, w, weight)` chooses
+each block's d (and m) to minimise an activation-weighted error sum_i,j e_i G_ij e_j per block,
+where G is a per-channel importance vector [in] (diagonal) or per-block Gram matrices
+[n_blocks, 32, 32] of the layer's input; `pack(fmt, w, params)` then stores exactly those values.
+`fake_quant` returns what llama.cpp will compute from the stored blocks (fp16 rounding included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import QuantizationError
+
+QK = 32                       # elements per block (Q4_0, Q4_1, Q8_0, MatMulNBits here)
+FORMATS = ("q4_0", "q4_1", "q8_0")
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+
+# Default search grids: Q4_0 tries d = amax_signed / -(8 - k) for these k; Q4_1 shrinks the range
+# [min, max] from each end by these fractions of (max - min).
+Q4_0_DIVISORS = tuple(8.0 - 0.25 * i for i in range(-2, 9))      # 8.5 .. 6.0
+Q4_1_SHRINK = (0.0, 0.03, 0.06, 0.1, 0.15)
+
+
+@dataclass(frozen=True)
+class BlockParams:
+    """Per-block decode parameters as stored: d [rows, n_blocks] fp16, m (Q4_1 only) fp16."""
+
+    d: np.ndarray
+    m: np.ndarray | None = None
+
+
+def _check(fmt: str, w: np.ndarray) -> None:
+    if fmt not in FORMATS:
+        raise QuantizationError(f"unsupported format {fmt!r}; expected one of {FORMATS}")
+    if w.ndim != 2 or w.shape[1] % QK:
+        raise QuantizationError(f"{fmt} needs a 2-D weight with rows a multiple of {QK} long, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise QuantizationError(f"weight has NaN or infinite values; expected finite floats for {fmt}")
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    """w [rows, K] -> [rows, K/32, 32] float32."""
+    return np.asarray(w, dtype=np.float32).reshape(w.shape[0], -1, QK)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [rows, nb, 32] uint8 0..15 -> [rows, nb, 16]: byte j = q[j] | q[j+16] << 4."""
+    return q[..., :16] | (q[..., 16:] << np.uint8(4))
+
+
+def _unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    """[rows, nb, 16] -> q [rows, nb, 32] uint8."""
+    return np.concatenate([b & np.uint8(0x0F), b >> np.uint8(4)], axis=-1)
+
+
+# ----------------------------------------------------------------------------- codes from params
+
+def _codes_rtn(fmt: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Round-to-nearest codes as gguf.quants computes them: (q [.., 32] uint8/int8, d16, m16)."""
+    if fmt == "q4_0":
+        imax = np.abs(x).argmax(axis=-1)[..., None]
+        mx = np.take_along_axis(x, imax, axis=-1)                 # signed value of largest magnitude
+        d = mx / np.float32(-8)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        q = np.trunc(x * inv + np.float32(8.5)).astype(np.uint8).clip(0, 15)
+        return q, d[..., 0].astype(np.float16), None
+    if fmt == "q4_1":
+        mx, mn = x.max(axis=-1, keepdims=True), x.min(axis=-1, keepdims=True)
+        d = (mx - mn) / np.float32(15)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        q = np.trunc((x - mn) * inv + np.float32(0.5)).astype(np.uint8).clip(0, 15)
+        return q, d[..., 0].astype(np.float16), mn[..., 0].astype(np.float16)
+    d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    v = x * inv
+    a = np.abs(v)
+    q = (np.sign(v) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))).astype(np.int8)   # round half away
+    return q, d[..., 0].astype(np.float16), None
+
+
+def _codes_given(fmt: str, x: np.ndarray, p: BlockParams) -> np.ndarray:
+    """Nearest codes for stored (fp16) d, m: q [rows, nb, 32]."""
+    d = p.d.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    if fmt == "q4_0":
+        return np.clip(np.floor(x * inv + np.float32(8.5)), 0, 15).astype(np.uint8)
+    if fmt == "q4_1":
+        m = p.m.astype(np.float32)[..., None]
+        return np.clip(np.floor((x - m) * inv + np.float32(0.5)), 0, 15).astype(np.uint8)
+    return np.clip(np.round(x * inv), -127, 127).astype(np.int8)
+
+
+def _decode(fmt: str, q: np.ndarray, d16: np.ndarray, m16: np.ndarray | None) -> np.ndarray:
+    d = d16.astype(np.float32)[..., None]
+    if fmt == "q4_0":
+        return (q.astype(np.int8) - np.int8(8)).astype(np.float32) * d
+    if fmt == "q4_1":
+        return q.astype(np.float32) * d + m16.astype(np.float32)[..., None]
+    return q.astype(np.float32) * d
+
+
+def _codes(fmt: str, w: np.ndarray, params: BlockParams | None):
+    x = _blocks(w)
+    if params is None:
+        return _codes_rtn(fmt, x)
+    if params.d.shape != x.shape[:2] or (fmt == "q4_1") != (params.m is not None):
+        raise QuantizationError(f"block params for {fmt} must be d{'/m' if fmt == 'q4_1' else ''} of shape "
+                                f"{x.shape[:2]}, got d {params.d.shape}")
+    return _codes_given(fmt, x, params), params.d.astype(np.float16), \
+        None if params.m is None else params.m.astype(np.float16)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def pack(fmt: str, w: np.ndarray, params: BlockParams | None = None) -> np.ndarray:
+    """w [rows, K] -> raw blocks uint8 [rows, K/32 * bytes_per_block] as GGUF stores them."""
+    _check(fmt, w)
+    q, d16, m16 = _codes(fmt, w, params)
+    rows, nb = q.shape[:2]
+    parts = [d16.view(np.uint8).reshape(rows, nb, 2)]
+    if fmt == "q4_1":
+        parts.append(m16.view(np.uint8).reshape(rows, nb, 2))
+    parts.append(_pack_nibbles(q) if fmt != "q8_0" else q.view(np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(rows, nb * BLOCK_BYTES[fmt])
+
+
+def unpack(fmt: str, raw: np.ndarray) -> np.ndarray:
+    """raw blocks uint8 [rows, nb * bytes] -> float32 [rows, nb * 32] (what llama.cpp decodes)."""
+    if fmt not in FORMATS:
+        raise QuantizationError(f"unsupported format {fmt!r}; expected one of {FORMATS}")
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, BLOCK_BYTES[fmt])                    # [rows, nb, bytes]
+    d16 = np.ascontiguousarray(b[..., 0:2]).view(np.float16)[..., 0]
+    if fmt == "q4_1":
+        m16 = np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0]
+        q = _unpack_nibbles(b[..., 4:])
+    elif fmt == "q4_0":
+        m16, q = None, _unpack_nibbles(b[..., 2:])
+    else:
+        m16, q = None, np.ascontiguousarray(b[..., 2:]).view(np.int8)
+    return _decode(fmt, q, d16, m16).reshape(rows, -1)
+
+
+def fake_quant(fmt: str, w: np.ndarray, params: BlockParams | None = None) -> np.ndarray:
+    """The float32 weights llama.cpp computes with after `pack(fmt, w, params)` (= unpack(pack(...)))."""
+    _check(fmt, w)
+    q, d16, m16 = _codes(fmt, w, params)
+    return _decode(fmt, q, d16, m16).reshape(w.shape)
+
+
+def rtn_params(fmt: str, w: np.ndarray) -> BlockParams:
+    """The d (and m) round-to-nearest stores."""
+    _, d16, m16 = _codes_rtn(fmt, _blocks(w))
+    return BlockParams(d16, m16)
+
+
+def _block_loss(e: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+    """e [rows, nb, 32] -> loss [rows, nb]; weight None (plain), [K] (diagonal) or [nb, 32, 32] (Gram)."""
+    if weight is None:
+        return np.einsum("rbi,rbi->rb", e, e)
+    if weight.ndim == 1:
+        imp = weight.reshape(1, -1, QK)                           # [K] -> [1, nb, 32]
+        return np.einsum("rbi,rbi->rb", e * imp, e)
+    eg = np.matmul(e.transpose(1, 0, 2), weight)                  # [nb, rows, 32] @ [nb, 32, 32]
+    return np.einsum("bri,bri->rb", eg, e.transpose(1, 0, 2))
+
+
+def _quad(a: np.ndarray, b: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+    """sum_ij a_i G_ij b_j per block: a, b [rows, nb, 32] -> [rows, nb]."""
+    if weight is None:
+        return np.einsum("rbi,rbi->rb", a, b)
+    if weight.ndim == 1:
+        return np.einsum("rbi,rbi->rb", a * weight.reshape(1, -1, QK), b)
+    ag = np.matmul(a.transpose(1, 0, 2), weight)                  # [nb, rows, 32]
+    return np.einsum("bri,bri->rb", ag, b.transpose(1, 0, 2))
+
+
+def block_loss(fmt: str, w: np.ndarray, params: BlockParams | None, weight: np.ndarray | None = None) -> np.ndarray:
+    """Weighted error [rows, nb] of storing w with params (None = round-to-nearest)."""
+    x = _blocks(w)
+    return _block_loss(x - fake_quant(fmt, w, params).reshape(x.shape), weight)
+
+
+def search_params(fmt: str, w: np.ndarray, weight: np.ndarray | None = None,
+                  divisors=Q4_0_DIVISORS, shrink=Q4_1_SHRINK) -> BlockParams:
+    """Choose each block's d (and m) minimising its weighted error (never worse than round-to-nearest).
+
+    Candidates: Q4_0 d = signed max / -k for k in `divisors`; Q4_1 the range [min, max] shrunk
+    from each end by the fractions in `shrink`; then one weighted least-squares refit of d (and m)
+    for the best codes. Every candidate is scored with fp16-rounded d, m exactly as stored.
+    """
+    _check(fmt, w)
+    if fmt == "q8_0":
+        return rtn_params(fmt, w)
+    if weight is not None:
+        weight = np.asarray(weight, dtype=np.float32)
+    x = _blocks(w)
+    best = rtn_params(fmt, w)
+    best_loss = _block_loss(x - fake_quant(fmt, w, best).reshape(x.shape), weight)
+
+    def consider(p: BlockParams) -> None:
+        nonlocal best, best_loss
+        q = _codes_given(fmt, x, p)
+        loss = _block_loss(x - _decode(fmt, q, p.d, p.m), weight)
+        better = loss < best_loss
+        best_loss = np.where(better, loss, best_loss)
+        best = BlockParams(np.where(better, p.d, best.d),
+                           None if p.m is None else np.where(better, p.m, best.m))
+
+    if fmt == "q4_0":
+        imax = np.abs(x).argmax(axis=-1)[..., None]
+        mx = np.take_along_axis(x, imax, axis=-1)[..., 0]          # [rows, nb] signed max
+        for k in divisors:
+            consider(BlockParams((mx / np.float32(-k)).astype(np.float16)))
+        # weighted least squares for d given the best codes: d = <c, x>_G / <c, c>_G, c = q - 8
+        c = _codes_given(fmt, x, best).astype(np.float32) - 8
+        num, den = _quad(c, x, weight), _quad(c, c, weight)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d_ls = np.where(den > 0, num / den, best.d.astype(np.float32))
+        consider(BlockParams(d_ls.astype(np.float16)))
+    else:
+        mx, mn = x.max(axis=-1), x.min(axis=-1)                    # [rows, nb]
+        rng = mx - mn
+        for lo in shrink:
+            for hi in shrink:
+                m = mn + np.float32(lo) * rng
+                d = (mx - np.float32(hi) * rng - m) / np.float32(15)
+                consider(BlockParams(d.astype(np.float16), m.astype(np.float16)))
+        # weighted least squares for (d, m) given the best codes: 2x2 normal equations per block
+        q = _codes_given(fmt, x, best).astype(np.float32)
+        one = np.ones_like(q)
+        a11, a12, a22 = _quad(q, q, weight), _quad(q, one, weight), _quad(one, one, weight)
+        b1, b2 = _quad(q, x, weight), _quad(one, x, weight)
+        det = a11 * a22 - a12 * a12
+        ok = np.abs(det) > 1e-12 * np.maximum(a11 * a22, 1e-30)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d_ls = np.where(ok, (a22 * b1 - a12 * b2) / det, best.d.astype(np.float32))
+            m_ls = np.where(ok, (a11 * b2 - a12 * b1) / det, best.m.astype(np.float32))
+        good = np.isfinite(d_ls) & np.isfinite(m_ls) & (d_ls >= 0)
+        consider(BlockParams(np.where(good, d_ls, best.d).astype(np.float16),
+                             np.where(good, m_ls, best.m).astype(np.float16)))
+    return best
+
+
+# ----------------------------------------------------------------------------- ONNX MatMulNBits
+
+def q4_0_to_matmulnbits(raw_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 blocks -> onnxruntime MatMulNBits (bits 4, block 32, no zero points = implicit 8). Lossless.
+
+    raw_blocks: uint8 [N, K/32 * 18] (a Q4_0 tensor of a weight [N, K] as GGUF stores it).
+    Returns (B uint8 [N, K/32, 16] with element 2i in the low and 2i+1 in the high nibble of byte i,
+    scales float32 [N, K/32], each exactly the block's fp16 d).
+    """
+    raw_blocks = np.asarray(raw_blocks, dtype=np.uint8)
+    if raw_blocks.ndim != 2 or raw_blocks.shape[1] % BLOCK_BYTES["q4_0"]:
+        raise QuantizationError(f"expected Q4_0 blocks uint8 [N, K/32*18], got shape {raw_blocks.shape}")
+    n = raw_blocks.shape[0]
+    b = raw_blocks.reshape(n, -1, 18)                                # [N, nb, 18]
+    scales = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32)   # [N, nb]
+    q = _unpack_nibbles(b[..., 2:])                                  # [N, nb, 32] in element order
+    pairs = q.reshape(n, q.shape[1], 16, 2)                          # [N, nb, 16, (2i, 2i+1)]
+    packed = pairs[..., 0] | (pairs[..., 1] << np.uint8(4))
+    return np.ascontiguousarray(packed), scales
