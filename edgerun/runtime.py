@@ -90,13 +90,19 @@ class Runtime:
     # -- generation ---------------------------------------------------------------------------
     def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                       gamma=None, stats: GenStats | None = None, **sampling_kw) -> Iterator[Step]:
-        """The decode loop on explicit prompt tokens. Closing the iterator cancels and rolls back."""
+        """The decode loop on explicit prompt tokens. Arguments are checked now (errors raise here,
+        before the first token); closing the returned iterator cancels and rolls the caches back."""
         sampling = self.sampling_args(**sampling_kw)
         if isinstance(stop, str):
             stop = [stop]
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidArgument(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         self._check_prompt(prompt_tokens)
         policy = self._policy_for(gamma)
         stats = stats if stats is not None else GenStats()
+        return self._run(list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats)
+
+    def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats) -> Iterator[Step]:
         rng = np.random.default_rng(sampling.seed)
         try:
             yield from generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,

@@ -1,0 +1,82 @@
+"""llama.cpp backend: logits only where asked, truncate = rollback, context limits, bad files."""
+
+import numpy as np
+import pytest
+
+from edgerun.backends.llamacpp import LlamaCppBackend
+from edgerun.config import BackendArgs
+from edgerun.errors import ContextOverflow, ModelFormatError, ModelNotFound
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama):
+    b = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=128, n_threads=2, n_batch=16))
+    yield b
+    b.close()
+
+
+def test_shapes_and_logit_selection(backend):
+    backend.truncate(0)
+    toks = backend.tokenizer.tokenize("hello there, the cat is in", add_bos=False)
+    full = backend.eval(toks)
+    assert full.shape == (len(toks), backend.n_vocab) and full.dtype == np.float32
+    backend.truncate(0)
+    last2 = backend.eval(toks, n_logits=2)
+    assert last2.shape == (2, backend.n_vocab)
+    np.testing.assert_allclose(last2, full[-2:], rtol=1e-5, atol=1e-5)
+    backend.truncate(0)
+    none = backend.eval(toks, n_logits=0)
+    assert none.shape == (0, backend.n_vocab) and backend.n_past == len(toks)
+
+
+def test_truncate_and_reeval_equals_fresh_run(backend):
+    toks = backend.tokenizer.tokenize("the water is on the other side of the river", add_bos=False)
+    assert len(toks) > 20       # longer than n_batch=16: exercises chunking
+    backend.truncate(0)
+    fresh = backend.eval(toks)
+    # wander off: evaluate junk, roll back, re-evaluate the tail
+    backend.truncate(7)
+    backend.eval([5, 6, 7, 8, 9])
+    backend.truncate(7)
+    assert backend.tokens == toks[:7]
+    again = backend.eval(toks[7:])
+    np.testing.assert_allclose(again, fresh[7:], rtol=1e-4, atol=1e-4)
+
+
+def test_context_overflow_is_a_clear_error(backend):
+    backend.truncate(0)
+    n = backend.n_ctx
+    assert n >= 128
+    with pytest.raises(ContextOverflow, match=f"exceed the context of {n}"):
+        backend.eval([10 + i % 200 for i in range(n + 1)])
+    assert backend.n_past == 0
+
+
+def test_tokenizer_roundtrip_and_template(backend):
+    tk = backend.tokenizer
+    text = "Hello, wörld! ✓ 123"
+    assert tk.detokenize(tk.tokenize(text, add_bos=False)).decode() == text
+    rendered = tk.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tk.chat_prompt_tokens([{"role": "user", "content": "hi"}])
+    assert ids[0] == tk.tokenize("<|im_start|>", add_bos=False)[0]
+    assert tk.is_eog(tk.tokenize("<|im_end|>", add_bos=False)[0])
+    assert len(tk.vocab_fingerprint) == 64
+
+
+def test_bad_files(tmp_path, tiny_llama):
+    with pytest.raises(ModelNotFound):
+        LlamaCppBackend(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        LlamaCppBackend(junk)
+    data = tiny_llama.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        LlamaCppBackend(cut)
+    head_only = tmp_path / "head.gguf"
+    head_only.write_bytes(data[:100])
+    with pytest.raises(ModelFormatError, match="truncated"):
+        LlamaCppBackend(head_only)

@@ -1,0 +1,70 @@
+"""Sampling transforms: each one against a hand computation on a small vocabulary."""
+
+import numpy as np
+import pytest
+
+from edgerun.config import SamplingArgs
+from edgerun.errors import InvalidArgument
+from edgerun.spec.sampling import apply_repeat_penalty, probs, sample
+
+LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))  # softmax at T=1 gives these probabilities
+
+
+def sa(**kw):
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    base.update(kw)
+    return SamplingArgs(**base)
+
+
+def test_plain_softmax():
+    np.testing.assert_allclose(probs(LOGITS, sa()), [0.5, 0.2, 0.15, 0.1, 0.05], rtol=1e-12)
+
+
+def test_greedy_is_one_hot_at_argmax():
+    p = probs(LOGITS, sa(temperature=0))
+    assert p.tolist() == [1.0, 0, 0, 0, 0]
+
+
+def test_temperature_sharpens():
+    p = probs(LOGITS, sa(temperature=0.5))
+    w = np.array([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2
+    np.testing.assert_allclose(p, w / w.sum(), rtol=1e-12)
+
+
+def test_top_k():
+    p = probs(LOGITS, sa(top_k=2))
+    np.testing.assert_allclose(p, [5 / 7, 2 / 7, 0, 0, 0], rtol=1e-12)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_mass():
+    p = probs(LOGITS, sa(top_p=0.8))          # 0.5 + 0.2 = 0.7 < 0.8 -> need the third token too
+    np.testing.assert_allclose(p, [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0], rtol=1e-12)
+    p = probs(LOGITS, sa(top_p=0.7))          # exactly reached by two tokens
+    assert np.count_nonzero(p) == 2
+
+
+def test_min_p():
+    p = probs(LOGITS, sa(min_p=0.25))         # keep p >= 0.125: 0.5, 0.2, 0.15
+    np.testing.assert_allclose(p, [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0], rtol=1e-12)
+
+
+def test_repeat_penalty_divides_positive_multiplies_negative():
+    logits = np.array([2.0, -1.0, 0.5])
+    out = apply_repeat_penalty(logits, [0, 1], sa(repeat_penalty=2.0))
+    assert out.tolist() == [1.0, -2.0, 0.5]
+    assert apply_repeat_penalty(logits, [0], sa()) is logits   # disabled: untouched
+
+
+def test_sample_follows_distribution():
+    rng = np.random.default_rng(0)
+    p = np.array([0.1, 0.0, 0.6, 0.3])
+    draws = np.bincount([sample(p, rng) for _ in range(20000)], minlength=4) / 20000
+    assert draws[1] == 0
+    np.testing.assert_allclose(draws, p, atol=0.015)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+                                dict(min_p=1.0), dict(repeat_penalty=0), dict(temperature=float("nan"))])
+def test_invalid_values_are_refused(kw):
+    with pytest.raises(InvalidArgument):
+        SamplingArgs(**kw)
