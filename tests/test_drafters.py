@@ -11,6 +11,7 @@ import pytest
 from edgerun.config import SamplingArgs, SpeculativeArgs
 from edgerun.errors import InvalidArgument, VocabMismatch
 from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter, make_drafter
+from tinymodel import tiny_vocab
 
 GREEDY = SamplingArgs(temperature=0.0)
 RNG = np.random.default_rng(0)
@@ -70,3 +71,155 @@ def test_factory_model_free_choices():
     assert make_drafter(None, target=None) is None
     d = make_drafter("lookup", target=None, spec_args=SpeculativeArgs(lookup_ngram_max=4, lookup_ngram_min=2))
     assert isinstance(d, PromptLookupDrafter) and (d.ngram_max, d.ngram_min) == (4, 2)
+
+
+# ---------------------------------------------------------------- model drafter (reference backend)
+
+def _ref(path):
+    from edgerun.backends.reference import ReferenceBackend
+
+    return ReferenceBackend(path)
+
+
+def test_model_drafter_keeps_its_cache_in_step(tiny_model_factory):
+    target = _ref(tiny_model_factory(arch="llama", wtype="f32", seed=0))
+    drafter = ModelDrafter(_ref(tiny_model_factory(arch="llama", wtype="f32", seed=1)), target)
+    ctx = target.tokenizer.tokenize("the cat is in the net")
+    toks, q = drafter.propose(ctx, 4, GREEDY, RNG)
+    assert len(toks) == 4 and q.shape == (4, target.n_vocab)
+    assert drafter.backend.tokens == ctx + toks[:-1]          # the last draft is never evaluated
+    np.testing.assert_array_equal(q.argmax(axis=1), toks)      # greedy: one-hot rows at the drafts
+    # a context that diverges from what the drafter cached: it rolls back to the common prefix
+    other = ctx[:3] + [ctx[5], 7, 9]
+    fresh = ModelDrafter(_ref(tiny_model_factory(arch="llama", wtype="f32", seed=1)), target)
+    sampling = SamplingArgs(temperature=0.9, top_k=20, top_p=0.9, min_p=0.0)
+    a = drafter.propose(other, 3, sampling, np.random.default_rng(4))
+    b = fresh.propose(other, 3, sampling, np.random.default_rng(4))
+    assert a[0] == b[0]
+    np.testing.assert_allclose(a[1], b[1])
+    assert np.allclose(a[1].sum(axis=1), 1.0) and all(a[1][i, t] > 0 for i, t in enumerate(a[0]))
+    # the same context again (all of it cached): the last token is re-evaluated for its logits
+    assert drafter.propose(other, 3, sampling, np.random.default_rng(4))[0] == a[0]
+
+
+def test_p_min_stops_drafting_when_the_drafter_is_unsure(tiny_model_factory):
+    """The tiny random model spreads its probability thin (top token ~5%): p_min 0.5 drafts nothing."""
+    target = _ref(tiny_model_factory(arch="llama", wtype="f32", seed=0))
+    ctx = target.tokenizer.tokenize("the cat")
+    unsure = ModelDrafter(_ref(tiny_model_factory(arch="llama", wtype="f32", seed=1)), target, p_min=0.5)
+    assert unsure.propose(ctx, 4, GREEDY, RNG) == ([], None)
+    sure = ModelDrafter(_ref(tiny_model_factory(arch="llama", wtype="f32", seed=1)), target, p_min=0.001)
+    assert len(sure.propose(ctx, 4, GREEDY, RNG)[0]) == 4
+    with pytest.raises(InvalidArgument):
+        ModelDrafter(sure.backend, target, p_min=1.0)
+
+
+def test_larger_drafter_warns(tiny_model_factory, caplog):
+    target = _ref(tiny_model_factory(arch="llama", wtype="f32", seed=0))
+    big = _ref(tiny_model_factory(arch="llama", wtype="f32", seed=1, n_embd=128, n_ff=256))
+    with caplog.at_level(logging.WARNING, logger="edgerun.spec.drafters"):
+        ModelDrafter(big, target)
+    assert any("larger than target" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgerun.spec.drafters"):
+        ModelDrafter(target, big)
+    assert not caplog.records
+
+
+# ---------------------------------------------------------------- vocabularies (llama.cpp, real files)
+
+def _write_with_vocab(monkeypatch, path, edit, **kw):
+    """A tiny GGUF whose vocabulary is tinymodel's passed through edit(tokens, types)."""
+    import tinymodel
+
+    original = tinymodel.tiny_vocab
+
+    def patched():
+        tokens, types, merges = original()
+        tokens, types = edit(list(tokens), list(types))
+        return tokens, types, merges
+
+    with monkeypatch.context() as m:
+        m.setattr(tinymodel, "tiny_vocab", patched)
+        return tinymodel.write_tiny_model(path, **kw)
+
+
+def _renamed_special(tokens, types):
+    tokens[tokens.index("<|im_start|>")] = "<|begin|>"
+    return tokens, types
+
+
+def _extra_real_token(tokens, types):
+    return tokens + ["<|tool|>"], types + [3]
+
+
+def _padded(tokens, types):
+    n = len(tokens)
+    return tokens + [f"[PAD{i}]" for i in range(n, n + 8)], types + [5] * 8    # 5 = UNUSED
+
+
+def _llama(path):
+    from edgerun.backends.llamacpp import LlamaCppBackend
+    from edgerun.config import BackendArgs
+
+    return LlamaCppBackend(path, BackendArgs(n_ctx=128, n_threads=1))
+
+
+_TOKENS = tiny_vocab()[0]
+
+
+@pytest.mark.parametrize("edit, expect", [
+    (_renamed_special, [f"token {_TOKENS.index('<|im_start|>')} is '<|begin|>'", "'<|im_start|>'"]),
+    (_extra_real_token, [f"token {len(_TOKENS)} '<|tool|>'", "not padding"]),
+])
+def test_mismatched_vocabulary_is_refused(tiny_model_factory, tmp_path, monkeypatch, edit, expect):
+    pytest.importorskip("llama_cpp")
+    target = _llama(tiny_model_factory(arch="llama", wtype="q8_0", seed=0))
+    other = _llama(_write_with_vocab(monkeypatch, tmp_path / "other.gguf", edit, wtype="q8_0", seed=1))
+    with pytest.raises(VocabMismatch) as e:
+        ModelDrafter(other, target)
+    msg = str(e.value)
+    assert target.name in msg and other.name in msg
+    for piece in expect:
+        assert piece in msg
+
+
+def test_padding_entries_are_accepted_and_masked(tiny_model_factory, tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    from edgerun.generate import generate
+    from edgerun.spec.gamma import FixedGamma
+
+    plain_path = tiny_model_factory(arch="llama", wtype="q8_0", seed=0)
+    padded_path = _write_with_vocab(monkeypatch, tmp_path / "padded.gguf", _padded, wtype="q8_0", seed=0)
+    plain_be, padded_be = _llama(plain_path), _llama(padded_path)
+    assert padded_be.n_vocab == plain_be.n_vocab + 8
+    assert padded_be.vocab_fingerprint != plain_be.vocab_fingerprint
+    for target, draft in ((plain_be, _llama(padded_path)), (padded_be, _llama(plain_path))):
+        d = ModelDrafter(draft, target)
+        assert d.n_shared == plain_be.n_vocab
+        prompt = target.tokenizer.tokenize("the cat is in the")
+        toks, q = d.propose(prompt, 3, SamplingArgs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                            np.random.default_rng(0))
+        assert q.shape == (3, target.n_vocab)                 # q speaks the target's ids
+        assert not q[:, d.n_shared:].any()                    # padding is never drafted
+        np.testing.assert_allclose(q.sum(axis=1), 1.0)
+        target.truncate(0)
+        plain = [s.token for s in generate(target, prompt, GREEDY, max_tokens=12)]
+        spec = [s.token for s in generate(target, prompt, GREEDY, max_tokens=12, drafter=d,
+                                          policy=FixedGamma(3))]
+        assert spec == plain
+
+
+def test_cli_refuses_a_drafter_of_another_vocabulary(tiny_model_factory, tmp_path, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+
+    target = tiny_model_factory(arch="llama", wtype="q8_0", seed=0)
+    other = _write_with_vocab(monkeypatch, tmp_path / "other.gguf", _renamed_special, wtype="q8_0", seed=1)
+    r = CliRunner().invoke(main, ["generate", "hi", "--model", str(target), "--draft", str(other),
+                                  "--profile", "generic-x86_64-cpu", "--threads", "1", "--ctx", "128"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: ") and "different vocabularies" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output

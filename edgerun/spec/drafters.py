@@ -37,6 +37,8 @@ class Drafter(Protocol):
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
                 rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]: ...
 
+    def reset(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -155,6 +157,10 @@ class ModelDrafter:
                 logits = be.eval([x])[-1]
         return tokens, (np.stack(rows) if rows else None)     # q [len(tokens), V_target]
 
+    def reset(self) -> None:
+        """Forget the cached context (the next proposal re-evaluates it from the start)."""
+        self.backend.truncate(0)
+
     def close(self) -> None:
         self.backend.close()
 
@@ -194,6 +200,9 @@ class PromptLookupDrafter:
                 return out, None
         return [], None
 
+    def reset(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -210,6 +219,7 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
         return None
     if spec == "lookup":
         return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
+    from ..backends import open_backend
     from ..registry import resolve_model
 
     path = Path(resolve_model(spec, pull=pull))
@@ -220,13 +230,3 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
         backend.close()
         raise
 
-
-def open_backend(path: Path, args: BackendArgs) -> Backend:
-    """A drafter model's backend: llama.cpp for a .gguf file, onnxruntime for an exported directory."""
-    if path.is_dir():
-        from ..backends.onnxrt import OnnxBackend
-
-        return OnnxBackend(path, args)
-    from ..backends.llamacpp import LlamaCppBackend
-
-    return LlamaCppBackend(path, args)
