@@ -1,9 +1,36 @@
 """Draft-length policies. The decode loop asks `choose()` before each cycle and reports with `observe()`.
 
-FixedGamma is the trivial policy; GammaTuner (cost model + online acceptance) lives here too.
+FixedGamma always drafts the same number of tokens. GammaTuner picks, every cycle, the gamma in
+0..gamma_max that maximises predicted tokens per second:
+
+    rate(g) = E[tokens per cycle | g] / E[seconds per cycle | g]
+
+    E[tokens | g]  = 1 + sum_{k=1..g} prod_{i<=k} s_i * a_i
+    E[seconds | g] = sum_{k=1..g} D_k * T_draft  +  sum_{m=0..g} P(m drafted) * T_verify(m + 1)
+
+a_i is the probability that drafted position i is accepted given that positions < i were, s_i the
+probability that the drafter supplies position i when asked for it (its confidence cut-off or a
+failed prompt lookup stops it early), D_k = prod_{i<=k} s_i. Both are learned online as Beta
+posteriors over exponentially decayed counts, shrunk towards their pooled mean, so late positions
+borrow strength from early ones. T_verify(n) and T_draft come from the device's CostCurve
+(measured, or a roofline before measuring), corrected by the times the loop observes. g = 0 is
+plain decoding (rate 1 / T_verify(1)) and is chosen whenever speculation is not predicted to win.
+Now and then (exponential back-off while the choice stands) one exploratory cycle runs: a short
+draft while speculation is off, so a change in the text can turn it back on; plain or a neighbouring
+gamma while it is on, so the observed costs stay honest where the prior curve was wrong. A switch needs a predicted gain over the current gamma
+(hysteresis), so gamma does not oscillate between near-equal choices.
 """
 
 from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from ..hw.cost import CostCurve
+
+log = logging.getLogger(__name__)
 
 
 class FixedGamma:
@@ -17,3 +44,175 @@ class FixedGamma:
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
         pass
+
+
+class GammaTuner:
+    """Cost model + online acceptance -> gamma per cycle (see the module docstring for the formula)."""
+
+    def __init__(self, cost: CostCurve, gamma_max: int = 8, *, alpha_prior: float = 0.6,
+                 prior_strength: float = 2.0, pool_strength: float = 4.0, supply_prior: float = 0.95,
+                 decay: float = 0.98, hysteresis: float = 0.03, explore_every: int = 16,
+                 explore_max: int = 256, time_ema: float = 0.2) -> None:
+        if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
+            raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
+        if not 0 < alpha_prior < 1 or not 0 < supply_prior <= 1:
+            raise InvalidArgument(f"alpha_prior must be in (0, 1) and supply_prior in (0, 1], "
+                                  f"got {alpha_prior}, {supply_prior}")
+        if not 0 < decay <= 1 or hysteresis < 0 or not 0 < time_ema <= 1:
+            raise InvalidArgument(f"need 0 < decay <= 1, hysteresis >= 0, 0 < time_ema <= 1; "
+                                  f"got {decay}, {hysteresis}, {time_ema}")
+        if explore_every < 1 or explore_max < explore_every:
+            raise InvalidArgument(f"need 1 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
+        self.cost = cost
+        self.gamma_max = gamma_max
+        self.alpha_prior, self.prior_strength, self.pool_strength = alpha_prior, prior_strength, pool_strength
+        self.supply_prior = supply_prior
+        self.decay, self.hysteresis, self.time_ema = decay, hysteresis, time_ema
+        self.explore_every, self.explore_max = explore_every, explore_max
+        G = gamma_max
+        # decayed counts per drafted position i = 1..G (index i - 1)
+        self._acc = np.zeros(G)      # accepted
+        self._seen = np.zeros(G)     # verified with every earlier position accepted
+        self._asked = np.zeros(G)    # drafter was asked for position i (and supplied i - 1)
+        self._got = np.zeros(G)      # ... and supplied it
+        # observed times: EMA of T_verify(n) per n, ratio observed/curve (verify, draft), lookup miss cost
+        n_tab = G + 2                # index n = 1..G + 1 (index 0 unused)
+        self._tv_obs = np.zeros(n_tab)
+        self._tv_n = np.zeros(n_tab)              # observations behind _tv_obs[n], capped at 1 / time_ema
+        self._td_ratio = 1.0
+        self._t_miss = 0.0
+        self._current = int(np.argmax(self.rates()))
+        self._last = self._current
+        self._since_explore = 0
+        self._explore_turn = 0
+        self._explore_interval = explore_every
+        self.n_explored = 0
+        log.debug("gamma tuner: %s cost curve, start at gamma %d", cost.source, self._current)
+
+    # -- construction from a loaded runtime ---------------------------------------------------
+    @classmethod
+    def for_runtime(cls, profile, target, drafter, spec, *, measure: bool = True) -> "GammaTuner":
+        """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured)."""
+        from ..hw.costprobe import cost_curve_for
+
+        curve = cost_curve_for(target, drafter, profile, measure=measure)
+        gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
+        return cls(curve, gamma_max=gmax)
+
+    # -- the model ---------------------------------------------------------------------------
+    def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float) -> np.ndarray:
+        """Per-position Beta posterior means, shrunk towards the pooled posterior mean."""
+        a0 = mean0 * self.prior_strength
+        pooled = (a0 + hits.sum()) / (self.prior_strength + trials.sum())
+        return (hits + self.pool_strength * pooled) / (trials + self.pool_strength)
+
+    def acceptance(self) -> np.ndarray:
+        """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted)."""
+        return self._shrunk(self._acc, self._seen, self.alpha_prior)
+
+    def supply(self) -> np.ndarray:
+        """s_i: P(drafter supplies position i | asked for it and supplied i - 1)."""
+        return np.minimum(self._shrunk(self._got, self._asked, self.supply_prior), 1.0)
+
+    def t_verify(self, n: int) -> float:
+        """T_verify(n): the curve times the observed/curve ratio (interpolated over the n the loop has
+        run, 1.0 before any), blended where n itself was run with its own observed mean."""
+        pred = self.cost.verify(n)
+        seen = np.flatnonzero(self._tv_n > 0)
+        if seen.size:
+            ratio = self._tv_obs[seen] / np.array([self.cost.verify(int(k)) for k in seen])
+            pred *= float(np.interp(n, seen, ratio))
+        if n < len(self._tv_n) and self._tv_n[n] > 0:
+            w = self._tv_n[n]                    # observations count as w against the prediction's 1
+            return float((pred + w * self._tv_obs[n]) / (1.0 + w))
+        return pred
+
+    def t_draft(self) -> float:
+        return self.cost.t_draft * self._td_ratio
+
+    def rates(self) -> np.ndarray:
+        """Predicted tokens/s for gamma = 0..gamma_max."""
+        G = self.gamma_max
+        a, s = self.acceptance(), self.supply()
+        D = np.concatenate([[1.0], np.cumprod(s)])          # D [G + 1]: P(at least k drafted | asked >= k)
+        A = np.cumprod(s * a)                               # A [G]: P(positions 1..k drafted and accepted)
+        tv = np.array([self.t_verify(n) for n in range(1, G + 2)])   # tv [G + 1]: T_verify(m + 1), m = 0..G
+        td = self.t_draft()
+        out = np.empty(G + 1)
+        out[0] = 1.0 / tv[0]
+        for g in range(1, G + 1):
+            p_m = D[: g + 1] - np.append(D[1: g + 1], 0.0)  # p_m [g + 1]: P(exactly m drafted), m = 0..g
+            cost = td * D[1: g + 1].sum() + p_m @ tv[: g + 1] + p_m[0] * self._t_miss
+            out[g] = (1.0 + A[:g].sum()) / cost
+        return out
+
+    # -- the policy --------------------------------------------------------------------------
+    def choose(self) -> int:
+        rates = self.rates()
+        best = int(np.argmax(rates))
+        if best != self._current and rates[best] > rates[self._current] * (1.0 + self.hysteresis):
+            log.debug("gamma %d -> %d (predicted %.1f -> %.1f tok/s)", self._current, best,
+                      rates[self._current], rates[best])
+            self._current = best
+            self._explore_interval = self.explore_every
+            self._since_explore = 0
+        g = self._current
+        self._since_explore += 1
+        if self._since_explore >= self._explore_interval:
+            # one exploratory cycle, ever rarer while the choice stands: off -> a short draft (keeps the
+            # acceptance estimate current); on -> plain or a neighbour (keeps T_verify honest there)
+            self._since_explore = 0
+            self._explore_interval = min(2 * self._explore_interval, self.explore_max)
+            self.n_explored += 1
+            if g == 0:
+                g = max(1, min(2, int(np.argmax(rates[1:])) + 1))
+            else:
+                cands = [c for c in (0, g + 1, g - 1) if 0 <= c <= self.gamma_max and c != g]
+                g = cands[self._explore_turn % len(cands)]
+                self._explore_turn += 1
+        self._last = g
+        return g
+
+    def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
+        """gamma: tokens actually drafted (<= what choose() asked); n_accepted of them accepted."""
+        if not 0 <= n_accepted <= gamma:
+            raise InvalidArgument(f"n_accepted must be in 0..gamma ({gamma}), got {n_accepted}")
+        asked = min(max(self._last, gamma), self.gamma_max)
+        m = min(gamma, self.gamma_max)
+        k = self.time_ema
+        for arr in (self._acc, self._seen, self._asked, self._got):
+            arr *= self.decay             # per cycle, drafted or not: old text weighs less and less
+        if asked > 0:
+            # supply: positions 1..m supplied; position m + 1 asked but not supplied
+            self._asked[:m] += 1
+            self._got[:m] += 1
+            if m < asked:
+                self._asked[m] += 1
+            # acceptance: positions 1..n_accepted accepted; position n_accepted + 1 rejected (if drafted)
+            na = min(n_accepted, m)
+            self._acc[:na] += 1
+            self._seen[:na] += 1
+            if na < m:
+                self._seen[na] += 1
+        # times
+        n = m + 1
+        if n < len(self._tv_obs) and t_verify > 0:
+            c = self._tv_n[n]
+            self._tv_obs[n] = t_verify if c == 0 else self._tv_obs[n] + max(k, 1.0 / (c + 1)) * (t_verify - self._tv_obs[n])
+            self._tv_n[n] = min(c + 1, 1.0 / k)
+        if m > 0 and self.cost.t_draft > 0:
+            self._td_ratio = (1 - k) * self._td_ratio + k * (t_draft / (m * self.cost.t_draft))
+        elif m == 0 and asked > 0:
+            self._t_miss = (1 - k) * self._t_miss + k * t_draft
+
+    @property
+    def gamma(self) -> int:
+        """The gamma currently in force (exploration cycles aside)."""
+        return self._current
+
+    def summary(self) -> dict:
+        r = self.rates()
+        return {"gamma": self._current, "rates": [float(x) for x in r],
+                "acceptance": [float(x) for x in self.acceptance()], "supply": [float(x) for x in self.supply()],
+                "t_draft": self.t_draft(), "t_verify_1": self.t_verify(1), "cost_source": self.cost.source,
+                "n_explored": self.n_explored}

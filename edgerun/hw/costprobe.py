@@ -1,0 +1,178 @@
+"""Backend cost probe: time one target eval of n tokens (n = 1..16) and one drafter step, on the
+loaded backends, rolling the cache back between evals. Results are cached per device + model file
+hash + engine settings in $EDGERUN_HOME/probes/ and reused on the next load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..config import SamplingArgs
+from ..errors import EdgerunError
+from .cost import N_MAX, CostCurve
+from .store import atomic_write_json, device_identity, file_sha256, key_of, probes_dir, read_json
+
+log = logging.getLogger(__name__)
+
+_TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+         "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+         "The quick brown fox jumps over the lazy dog while the compiler checks every line. ")
+
+
+def _probe_tokens(backend, n: int) -> list[int]:
+    """n ordinary tokens of a fixed text (token ids of arbitrary rank if there is no tokenizer)."""
+    toks: list[int] = []
+    tok = getattr(backend, "tokenizer", None)
+    if tok is not None:
+        toks = [t for t in tok.tokenize(_TEXT, special=False, add_bos=False) if 0 <= t < backend.n_vocab]
+    if not toks:
+        toks = list(range(min(100, backend.n_vocab - 1), min(100, backend.n_vocab - 1) + 32))
+    return [toks[i % len(toks)] for i in range(n)]
+
+
+def _settings(backend) -> dict:
+    return {k: getattr(backend, k, None) for k in ("n_threads", "n_gpu_layers", "flash_attn", "n_batch", "name")}
+
+
+def _engine_version() -> str:
+    try:
+        import llama_cpp
+        return str(getattr(llama_cpp, "__version__", "?"))
+    except ImportError:
+        return "none"
+
+
+def measure_verify_curve(target, *, n_max: int = N_MAX, reps: int = 3, context: int = 64) -> list[float]:
+    """Median seconds of target.eval(n tokens, logits for all n) after `context` cached tokens, n = 1..n_max.
+
+    The n values are interleaved within each repetition so that machine load affects all alike.
+    The target's cache is left empty.
+    """
+    context = max(1, min(context, target.n_ctx - n_max - 1))
+    seq = _probe_tokens(target, context + n_max)
+    target.truncate(0)
+    target.eval(seq[:context], n_logits=0)
+    times = np.zeros((reps, n_max))          # times [rep, n - 1]
+    for r in range(reps + 1):                # repetition 0 warms up (caches, repacked weights) and is dropped
+        for n in range(1, n_max + 1):
+            t0 = time.perf_counter()
+            target.eval(seq[context:context + n])
+            dt = time.perf_counter() - t0
+            target.truncate(context)
+            if r > 0:
+                times[r - 1, n - 1] = dt
+    target.truncate(0)
+    return [float(x) for x in np.median(times, axis=0)]
+
+
+def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, context: int = 64) -> float:
+    """Median seconds per drafted token of drafter.propose(context, gamma) (greedy), after a warm-up
+    call; each call rolls the drafter back to the context and evaluates the last context token again,
+    as the decode loop's catch-up does."""
+    ctx = _probe_tokens(target, context)
+    sampling = SamplingArgs(temperature=0.0)
+    rng = np.random.default_rng(0)
+    drafter.propose(ctx, gamma, sampling, rng)
+    per_token = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        toks, _q = drafter.propose(ctx, gamma, sampling, rng)
+        per_token.append((time.perf_counter() - t0) / max(len(toks), 1))
+    be = getattr(drafter, "backend", None)
+    if be is not None:
+        be.truncate(0)
+    return float(np.median(per_token))
+
+
+def _model_id(backend) -> str | None:
+    """Content hash of the backend's model file (a directory model is identified by its path)."""
+    path = getattr(backend, "path", None)
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        return f"dir:{p.resolve()}" if p.is_dir() else file_sha256(p)
+    except OSError:
+        return None
+
+
+def target_key(target, n_max: int = N_MAX) -> str | None:
+    mid = _model_id(target)
+    return None if mid is None else key_of("target", device_identity(), mid, _settings(target), _engine_version(), n_max)
+
+
+def drafter_key(drafter, target) -> str | None:
+    be = getattr(drafter, "backend", None)
+    if be is None:
+        return key_of("drafter", device_identity(), getattr(drafter, "name", "?"), target.n_vocab)
+    mid = _model_id(be)
+    return None if mid is None else key_of("drafter", device_identity(), mid, _settings(be), _engine_version(),
+                                           target.n_vocab)
+
+
+def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_MAX, reps: int = 3) -> CostCurve:
+    """Measured cost curve for the loaded target (+ drafter), from the cache when it has it."""
+    tkey = target_key(target, n_max)
+    tpath = probes_dir() / f"verify-{tkey}.json" if tkey else None
+    doc = read_json(tpath) if (use_cache and tpath) else None
+    if doc and len(doc.get("t_verify", [])) == n_max:
+        tv = [float(x) for x in doc["t_verify"]]
+    else:
+        log.info("measuring the target's verify cost curve (n = 1..%d); cached for next time", n_max)
+        tv = measure_verify_curve(target, n_max=n_max, reps=reps)
+        if tpath:
+            atomic_write_json(tpath, {"t_verify": tv, "model": getattr(target, "name", "?"),
+                                      "settings": _settings(target), "device": device_identity()})
+    td = 0.0
+    if drafter is not None:
+        dkey = drafter_key(drafter, target)
+        dpath = probes_dir() / f"draft-{dkey}.json" if dkey else None
+        ddoc = read_json(dpath) if (use_cache and dpath) else None
+        if ddoc and "t_draft" in ddoc:
+            td = float(ddoc["t_draft"])
+        else:
+            td = measure_draft_step(drafter, target)
+            if dpath:
+                atomic_write_json(dpath, {"t_draft": td, "drafter": getattr(drafter, "name", "?"),
+                                          "device": device_identity()})
+    return CostCurve(t_verify=tuple(tv), t_draft=td, source="measured")
+
+
+def roofline_for(target, drafter, profile, bandwidth_gbs: float | None = None) -> CostCurve:
+    """Predicted curve from weight bytes / bandwidth and FLOPs / peak compute (profile priors)."""
+    pri = profile.priors
+    bw = bandwidth_gbs or pri.bandwidth_gbs or 20.0
+    peak = pri.peak_gflops or 100.0
+    be = getattr(drafter, "backend", None)
+    return CostCurve.roofline(
+        target_bytes=int(target.weight_bytes), target_params=getattr(target, "n_params", None),
+        draft_bytes=int(be.weight_bytes) if be is not None else None,
+        draft_params=getattr(be, "n_params", None) if be is not None else None,
+        lookup=drafter is not None and be is None, bandwidth_gbs=bw, peak_gflops=peak)
+
+
+def cost_curve_for(target, drafter, profile, *, measure: bool = True) -> CostCurve:
+    """The curve the tuner starts from: measured (cached) if allowed, else the roofline prior
+    with the cached measured bandwidth when there is one."""
+    if measure:
+        try:
+            return probe_costs(target, drafter)
+        except (EdgerunError, OSError) as e:   # a failed probe must not stop generation: roofline instead
+            log.warning("cost probe failed (%s: %s); using the roofline prior", type(e).__name__, e)
+    from .bandwidth import cached_bandwidth
+
+    bw = cached_bandwidth(profile.priors.compute if profile is not None else "cpu") if profile is not None else None
+    if profile is None:
+        from ..profile import detect
+        profile = detect()[0]
+    return roofline_for(target, drafter, profile, bandwidth_gbs=bw.best_gbs if bw else None)
+
+
+def verify_ratios(curve: CostCurve, points: Sequence[int] = (2, 4, 8, 16)) -> dict[int, float]:
+    r = curve.ratios()
+    return {n: r[n - 1] for n in points if n <= len(r)}
