@@ -1,0 +1,113 @@
+"""Hardware probes: the bandwidth kernels (C and numpy) and the backend cost probe with its cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edgerun.errors import BackendError, InvalidArgument
+from edgerun.hw import bandwidth as B
+from edgerun.hw import kernels, store
+from edgerun.hw.cost import CostCurve
+from edgerun.hw.costprobe import cost_curve_for, measure_verify_curve, probe_costs
+
+MiB = 1024 ** 2
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
+
+
+def test_numpy_kernels_compute_and_time():
+    t_copy, t_triad = B.numpy_stream(1 << 20, threads=2, reps=2)     # 8 MiB arrays: values checked inside
+    assert 0 < t_copy < 10 and 0 < t_triad < 10
+
+
+@pytest.mark.skipif(kernels.find_compiler("c") is None, reason="no C compiler on this machine")
+def test_c_kernel_builds_once_and_checks_its_result():
+    lib = kernels.build_stream_c()
+    assert lib is not None and lib.is_file()
+    assert kernels.build_stream_c() == lib          # cached by source + flags hash
+    t_copy, t_triad = B.c_stream(1 << 20, threads=2, reps=2)
+    assert 0 < t_copy < 10 and 0 < t_triad < 10
+    with pytest.raises(BackendError, match="code 3"):
+        B.c_stream(10, threads=1, reps=1)           # too small: refused by the kernel itself
+
+
+@pytest.mark.skipif(kernels.find_compiler("c") is None, reason="no C compiler on this machine")
+def test_bandwidth_probe_agrees_with_independent_numpy_copy():
+    # arrays 4x the 32 MiB last-level cache of the development machine; the C copy and a threaded
+    # numpy copy of the same size alternate in one run. The machine is shared, so this test checks
+    # a loose bound; `edgerun profile probe` reports the precise ratio (within 10% when quiet).
+    size = max(128 * MiB, 4 * B.last_level_cache_bytes())
+    ratios = []
+    for _ in range(2):
+        bw = B.probe_bandwidth(array_bytes=size, reps=3, rounds=2, method="c")
+        assert bw.method == "c" and bw.copy_gbs > 0.5 and bw.triad_gbs > 0.5
+        ratios.append(bw.check_ratio)
+        if 0.7 <= bw.check_ratio <= 1.43:
+            break
+    assert any(0.7 <= r <= 1.43 for r in ratios), ratios
+
+
+def test_numpy_fallback_and_cache(monkeypatch):
+    monkeypatch.setattr(kernels, "find_compiler", lambda kind="c": None)     # as on a board without cc
+    assert kernels.build_stream_c() is None
+    bw = B.measure_and_cache(array_bytes=16 * MiB, reps=2, rounds=1)
+    assert bw.method == "numpy" and bw.copy_gbs > 0 and bw.check_copy_gbs > 0
+    again = B.cached_bandwidth()
+    assert again == bw
+    with pytest.raises(BackendError):
+        B.probe_bandwidth(array_bytes=16 * MiB, method="c")
+    with pytest.raises(InvalidArgument):
+        B.probe_bandwidth(method="stream")
+
+
+def test_file_hash_is_memoised(tmp_path):
+    f = tmp_path / "m.bin"
+    f.write_bytes(b"x" * 1000)
+    h = store.file_sha256(f)
+    assert h == store.file_sha256(f)
+    memo = json.loads((store.probes_dir() / "file-hashes.json").read_text())
+    assert h in memo.values()
+    f.write_bytes(b"y" * 1001)
+    assert store.file_sha256(f) != h
+
+
+# --- the backend cost probe on a real llama.cpp backend ---------------------------------------
+
+@pytest.fixture
+def tiny_target(tiny_llama):
+    from edgerun.backends.llamacpp import LlamaCppBackend
+    from edgerun.config import BackendArgs
+
+    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=256, n_threads=1))
+    yield be
+    be.close()
+
+
+def test_cost_probe_measures_and_caches(tiny_target):
+    tv = measure_verify_curve(tiny_target, n_max=4, reps=1)
+    assert len(tv) == 4 and all(t > 0 for t in tv)
+    assert tiny_target.n_past == 0                    # the cache is left empty
+    curve = probe_costs(tiny_target, None, n_max=4, reps=1)
+    assert curve.source == "measured" and curve.t_draft == 0.0
+    files = sorted(p.name for p in store.probes_dir().glob("verify-*.json"))
+    assert len(files) == 1
+    # the second call reads the cache: identical numbers
+    assert probe_costs(tiny_target, None, n_max=4, reps=1) == curve
+
+
+def test_cost_probe_with_lookup_drafter(tiny_target):
+    from edgerun.profile import load_profile
+    from edgerun.spec.drafters import PromptLookupDrafter
+
+    d = PromptLookupDrafter()
+    curve = cost_curve_for(tiny_target, d, load_profile("generic-x86_64-cpu"))
+    assert curve.source == "measured" and len(curve.t_verify) == 16 and 0 < curve.t_draft < 0.05
+    prior = cost_curve_for(tiny_target, d, load_profile("rpi5-8gb"), measure=False)
+    assert prior.source == "roofline" and prior.t_draft > 0
+    assert isinstance(prior, CostCurve) and np.all(np.diff(prior.t_verify) >= 0)
