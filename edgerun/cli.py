@@ -270,3 +270,177 @@ def pull(names, pull_all, verify, force):
         click.echo(f"pulling {name}", err=True)
         path = registry.pull(name, progress=progress_printer(), verify=verify, force=force)
         click.echo(str(path))
+
+
+# ---- device profiles and probes: `edgerun profile show|detect|list|probe` (edgerun/profile.py, edgerun/hw/) --
+
+@main.group("profile")
+def profile_group() -> None:
+    """Device profiles (board detection, engine settings) and hardware probes."""
+
+
+def _profile_lines(prof, why: str | None) -> list[str]:
+    a = prof.backend_args()
+    lines = [f"profile     {prof.name}  ({prof.path})", f"device      {prof.description}"]
+    if why:
+        lines.append(f"why         {why}")
+    budget = (f"{prof.memory.budget_gib:g} GiB" if prof.memory.budget_gib is not None
+              else f"{prof.memory.budget_fraction:.0%} of RAM")
+    lines += [
+        f"llama.cpp   n_gpu_layers={a.n_gpu_layers} n_threads={a.n_threads or 'physical cores'} n_ctx={a.n_ctx} "
+        f"n_batch={a.n_batch} flash_attn={a.flash_attn} mmap={a.use_mmap} mlock={a.use_mlock}",
+        f"onnxruntime {', '.join(a.providers)}",
+        f"memory      budget {budget}{' (unified CPU/GPU)' if prof.memory.unified else ''}",
+        f"priors      {prof.priors.bandwidth_gbs} GB/s, {prof.priors.peak_gflops} GFLOP/s ({prof.priors.compute}); "
+        f"gamma_max {prof.gamma_max}",
+        f"build       CMAKE_ARGS=\"{prof.build.cmake_args}\"" + "".join(f" {k}={v}" for k, v in prof.build.env.items()),
+    ]
+    return lines
+
+
+@profile_group.command("show")
+@click.argument("name", default="auto")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole profile as JSON.")
+def profile_show(name, as_json):
+    """Show a profile (NAME, a YAML path, or 'auto' for the detected one)."""
+    from .profile import resolve
+
+    prof, why = resolve(name)
+    if as_json:
+        click.echo(json.dumps({**prof.to_dict(), "reason": why}, indent=1))
+    else:
+        click.echo("\n".join(_profile_lines(prof, why)))
+
+
+@profile_group.command("detect")
+@click.option("--root", default="/", show_default=True, help="Read the board's identity files under this directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the chosen profile, the reason and the facts as JSON.")
+def profile_detect(root, as_json):
+    """Detect the device and say which profile fits and why."""
+    import dataclasses
+
+    from .profile import detect, gather_facts
+
+    prof, why = detect(root)
+    facts = dataclasses.asdict(gather_facts(root))
+    if as_json:
+        click.echo(json.dumps({"profile": prof.name, "reason": why, "facts": facts}, indent=1))
+    else:
+        click.echo(f"{prof.name}\n  because: {why}")
+        for k, v in facts.items():
+            click.echo(f"  {k}: {v}")
+
+
+@profile_group.command("list")
+def profile_list():
+    """List the known profiles (shipped and user)."""
+    from .profile import all_profiles
+
+    for p in all_profiles():
+        click.echo(f"{p.name:22s} {p.description}")
+
+
+@profile_group.command("probe")
+@click.option("--profile", "profile_name", default="auto", show_default=True, help="Device profile (for the priors).")
+@click.option("--model", "-m", default=None, help="Also measure this target's verify cost curve T(n), n = 1..16.")
+@click.option("--draft", "-d", default=None, help="... and this drafter's step time ('lookup' or a model).")
+@click.option("--size-mib", type=click.IntRange(1, None), default=None, help="Bytes per bandwidth array (default: >> LLC).")
+@click.option("--threads", type=click.IntRange(1, None), default=None, help="Bandwidth threads (default: physical cores).")
+@click.option("--remeasure", is_flag=True, help="Ignore the cached cost curve and measure again.")
+@click.option("--no-pull", is_flag=True, help="Fail instead of downloading a missing model.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_pull, as_json):
+    """Measure memory bandwidth (and a model pair's cost curve); results are cached for the gamma tuner."""
+    from .hw.probe import bandwidth_report, cost_report
+    from .profile import resolve
+
+    prof, _ = resolve(profile_name)
+    bw = bandwidth_report(prof, array_bytes=size_mib * 1024 * 1024 if size_mib else None, threads=threads)
+    cost = cost_report(prof, model, draft, remeasure=remeasure, pull=not no_pull) if model else None
+    if as_json:
+        click.echo(json.dumps({"bandwidth": bw, "cost": cost}, indent=1))
+        return
+    click.echo(f"memory bandwidth on {prof.name} (datasheet {bw['datasheet_gbs']} GB/s):")
+    click.echo(f"  {'where':6s} {'method':6s} {'threads':>7s} {'MiB':>6s} {'copy GB/s':>10s} {'triad GB/s':>11s} "
+               f"{'of datasheet':>13s} {'numpy copy':>11s} {'ratio':>6s}")
+    for r in bw["results"]:
+        frac = f"{r['fraction_of_datasheet']:.0%}" if r["fraction_of_datasheet"] else "-"
+        chk = f"{r['check_copy_gbs']:.1f}" if r.get("check_copy_gbs") else "-"
+        ratio = f"{r['check_ratio']:.2f}" if r.get("check_ratio") else "-"
+        click.echo(f"  {r['where']:6s} {r['method']:6s} {r['threads']:7d} {r['array_bytes'] // 2**20:6d} "
+                   f"{r['copy_gbs']:10.1f} {r['triad_gbs']:11.1f} {frac:>13s} {chk:>11s} {ratio:>6s}")
+    if cost:
+        click.echo(f"cost curve of {cost['model']}: T(1) = {cost['t_verify_s'][0] * 1e3:.2f} ms")
+        click.echo("  n      " + " ".join(f"{n:5d}" for n in range(1, len(cost['ratios']) + 1)))
+        click.echo("  T(n)/T(1)" + " ".join(f"{r:5.2f}" for r in cost["ratios"])[2:])
+        if cost["draft"]:
+            click.echo(f"drafter {cost['draft']}: {cost['t_draft_s'] * 1e3:.3f} ms per token "
+                       f"({cost['draft_vs_target']:.2f} x a target step)")
+
+
+# ---- quantization: `edgerun quantize`, `edgerun eval ppl` (edgerun/quant/pipeline.py, edgerun/perplexity.py) --
+
+@main.command()
+@click.argument("source")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--method", default="awq", show_default=True, help="awq (activation-aware search) or rtn (round-to-nearest).")
+@click.option("--format", "fmt", default="q4_0", show_default=True, help="Storage format of the linear weights: q4_0 or q4_1.")
+@click.option("--calib", default="builtin", show_default=True,
+              help="Calibration text: 'builtin' (CPython's reference prose), 'stdlib-code', or a text file.")
+@click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Calibration tokens (cut into 512-token sequences).")
+@click.option("--embed-type", default="q8_0", show_default=True, help="Token embeddings / output head: q8_0 or f16.")
+@click.option("--grid", type=int, default=20, show_default=True, help="AWQ scale exponents tried per group.")
+@click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no_pull, as_json):
+    """Quantize SOURCE (registry name, .gguf, or Hugging Face checkpoint dir) to an INT4 GGUF at OUT."""
+    from .config import QuantArgs
+    from .quant.pipeline import quantize as run
+
+    args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
+                     grid=grid)
+
+    def cb(msg: str, done: int, total: int) -> None:
+        click.echo(f"\r[{done}/{total}] {msg}".ljust(100), err=True, nl=done >= total)
+
+    rep = run(source, out, args, progress=None if as_json else cb, pull=not no_pull)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=1))
+        return
+    click.echo(f"wrote {rep.out}: {rep.method} {rep.format}, {rep.n_layer} layers, {rep.seconds:.1f} s, "
+               f"peak RSS {rep.peak_rss_mb:.0f} MB")
+    if rep.method == "awq":
+        n = {c: sum(g.choice == c for g in rep.groups) for c in ("awq", "clip", "rtn")}
+        click.echo(f"calibration: {rep.calib_tokens} tokens of {rep.calib_name}; output error "
+                   f"-{100 * rep.error_reduction:.1f}% vs round-to-nearest; groups: {n['awq']} awq, "
+                   f"{n['clip']} clip only, {n['rtn']} fallback to rtn")
+
+
+@main.group("eval")
+def eval_group() -> None:
+    """Evaluate models (perplexity)."""
+
+
+@eval_group.command("ppl")
+@click.argument("model")
+@click.option("--text", "text_spec", required=True,
+              help="Text file, or 'builtin' (CPython reference prose) / 'stdlib-code' (CPython stdlib source).")
+@click.option("--ctx", type=int, default=512, show_default=True, help="Window length in tokens.")
+@click.option("--threads", "n_threads", type=int, default=None, help="CPU threads.")
+@click.option("--max-windows", type=int, default=None, help="Score only the first N windows.")
+@click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, as_json):
+    """Perplexity of MODEL on a text, scored like llama.cpp's llama-perplexity (second half of each window)."""
+    from .calib import load_text
+    from .perplexity import perplexity
+    from .registry import resolve_model
+
+    name, text = load_text(text_spec)
+    path = resolve_model(model, pull=not no_pull)
+    res = perplexity(path, text, ctx=ctx, n_threads=n_threads, max_windows=max_windows, text_name=name)
+    if as_json:
+        click.echo(json.dumps(res.to_dict(), indent=1))
+        return
+    click.echo(f"{res.model} on {res.text}: PPL {res.ppl:.4f} (nll {res.nll:.4f} +/- {res.nll_stderr:.4f}; "
+               f"{res.n_windows} windows x ctx {res.ctx}, {res.n_scored} tokens scored; {res.seconds:.1f} s)")

@@ -223,3 +223,25 @@ def test_memory_fit_passes_and_refuses_with_numbers():
     # the memory available right now limits too, whatever the profile says
     with pytest.raises(MemoryBudgetError, match="available now"):
         P.check_memory_fit(p, target_bytes=1 * P.GiB, available_bytes=1 * P.GiB)
+
+
+# --- CLI --------------------------------------------------------------------------------------
+
+def test_cli_profile_show_detect_list():
+    import json
+
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+
+    r = CliRunner().invoke(main, ["profile", "show", "jetson-orin-nano-8gb"])
+    assert r.exit_code == 0, r.output
+    assert "CMAKE_CUDA_ARCHITECTURES=87" in r.output and "n_gpu_layers=-1" in r.output
+    r = CliRunner().invoke(main, ["profile", "detect", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["profile"] in SHIPPED and d["reason"] and "machine" in d["facts"]
+    r = CliRunner().invoke(main, ["profile", "list"])
+    assert r.exit_code == 0 and all(n in r.output for n in REQUIRED)
+    r = CliRunner().invoke(main, ["profile", "show", "no-such-board"])
+    assert r.exit_code == 2 and r.output.startswith("error: unknown device profile 'no-such-board'")
