@@ -39,16 +39,19 @@ def main(verbose: int) -> None:
 
 
 def progress_printer():
-    """A registry progress callback drawing one updating line on stderr."""
+    """A registry progress callback: one updating line on a terminal, one line per finished stage otherwise."""
+    tty = sys.stderr.isatty()
+    last = {}
 
     def cb(stage: str, done: int, total: int) -> None:
-        if total:
-            click.echo(f"\r{stage}: {done / 1e6:8.1f} / {total / 1e6:.1f} MB ({100 * done / total:5.1f}%)",
-                       err=True, nl=False)
-            if done >= total:
-                click.echo("", err=True)
-        else:
-            click.echo(f"\r{stage}: {done / 1e6:8.1f} MB", err=True, nl=False)
+        pct = int(100 * done / total) if total else None
+        finished = total and done >= total
+        if tty and last.get(stage) != (pct if total else done >> 24):
+            last[stage] = pct if total else done >> 24
+            shown = f"{done / 1e6:8.1f} / {total / 1e6:.1f} MB ({pct:3d}%)" if total else f"{done / 1e6:8.1f} MB"
+            click.echo(f"\r{stage}: {shown}", err=True, nl=bool(finished))
+        elif not tty and finished:
+            click.echo(f"{stage}: {total / 1e6:.1f} MB done", err=True)
 
     return cb
 
@@ -272,6 +275,92 @@ def pull(names, pull_all, verify, force):
         click.echo(str(path))
 
 
+# ---- serving: `edgerun serve`, `edgerun service print` (edgerun/server.py, edgerun/service.py) --
+
+
+@main.command()
+@click.option("--model", "-m", envvar="EDGERUN_MODEL", default=DEFAULT_MODEL, show_default=True, show_envvar=True,
+              help="Registry name, .gguf path, or exported ONNX directory.")
+@click.option("--draft", envvar="EDGERUN_DRAFT", default="auto", show_default=True, show_envvar=True,
+              help="Drafter: 'auto', 'none', 'lookup', or a model.")
+@click.option("--gamma", envvar="EDGERUN_GAMMA", default="auto", show_default=True, show_envvar=True,
+              help="Draft length: an integer (0 = plain decoding) or 'auto'.")
+@click.option("--profile", "profile_name", envvar="EDGERUN_PROFILE", default="auto", show_default=True,
+              show_envvar=True, help="Device profile name or YAML path ('auto' detects the board).")
+@click.option("--host", envvar="EDGERUN_HOST", default="127.0.0.1", show_default=True, show_envvar=True,
+              help="Address to bind. Anything but loopback exposes the API to the network: set an API key.")
+@click.option("--port", envvar="EDGERUN_PORT", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              show_envvar=True)
+@click.option("--api-key", envvar="EDGERUN_API_KEY", default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
+@click.option("--queue", envvar="EDGERUN_QUEUE", type=click.IntRange(0, None), default=8, show_default=True,
+              show_envvar=True, help="Requests allowed to wait behind the running one; more get 503 + Retry-After.")
+@click.option("--timeout", "timeout_s", envvar="EDGERUN_TIMEOUT", type=click.FloatRange(0, None, min_open=True),
+              default=300.0, show_default=True, show_envvar=True,
+              help="Server-side time limit per request in seconds (queue wait + generation).")
+@click.option("--max-body", "max_body_kb", envvar="EDGERUN_MAX_BODY_KB", type=click.IntRange(1, None),
+              default=1024, show_default=True, show_envvar=True, help="Largest request body in KiB (413 above).")
+@click.option("--shutdown-grace", envvar="EDGERUN_SHUTDOWN_GRACE", type=click.FloatRange(0, None), default=10.0,
+              show_default=True, show_envvar=True,
+              help="On SIGTERM, seconds the running generation may continue before it is cancelled.")
+@click.option("--ctx", "n_ctx", envvar="EDGERUN_CTX", type=int, default=None, show_envvar=True,
+              help="Context size in tokens (profile default).")
+@click.option("--threads", "n_threads", envvar="EDGERUN_THREADS", type=int, default=None, show_envvar=True,
+              help="CPU threads (profile default).")
+@click.option("--no-pull", is_flag=True, envvar="EDGERUN_NO_PULL", show_envvar=True,
+              help="Fail instead of downloading a model that is not cached.")
+@click.pass_context
+def serve(ctx, model, draft, gamma, profile_name, host, port, api_key, queue, timeout_s, max_body_kb,
+          shutdown_grace, n_ctx, n_threads, no_pull):
+    """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /health, /metrics).
+
+    Every option can also come from its EDGERUN_* environment variable (the systemd unit reads them
+    from /etc/edgerun/edgerun.env). The socket is bound at once and the models load in the
+    background: /health answers 503 until they are ready.
+    """
+    from .runtime import _parse_gamma
+    from .server import ServerConfig, precheck, serve as run_server
+
+    if ctx.find_root().params.get("verbose", 0) == 0:
+        logging.getLogger("edgerun").setLevel(logging.INFO)
+        logging.getLogger("uvicorn").setLevel(logging.INFO)
+    _parse_gamma(gamma)
+    config = ServerConfig(model=model, draft=None if draft == "none" else draft, profile=profile_name, host=host,
+                          port=port, api_key=api_key or None, queue=queue, timeout_s=timeout_s,
+                          max_body_bytes=max_body_kb * 1024, shutdown_grace_s=shutdown_grace, n_ctx=n_ctx,
+                          n_threads=n_threads, gamma=gamma, pull=not no_pull)
+    precheck(config)
+    run_server(config)
+
+
+@main.group()
+def service() -> None:
+    """Run edgerun as a systemd service (see deploy/install.sh)."""
+
+
+@service.command("print")
+@click.option("--env-file", default="/etc/edgerun/edgerun.env", show_default=True,
+              help="EnvironmentFile= of the unit (absolute path).")
+@click.option("--watchdog-sec", type=int, default=60, show_default=True, help="WatchdogSec= of the unit.")
+@click.option("--exec-start", default=None,
+              help="ExecStart= command (default: this installation's `edgerun serve`).")
+def service_print(env_file, watchdog_sec, exec_start):
+    """Print the systemd unit for this installation (paths filled in)."""
+    from .service import render_unit
+
+    click.echo(render_unit(exec_start, env_file=env_file, watchdog_sec=watchdog_sec), nl=False)
+
+
+@service.command("build-flags")
+@click.option("--profile", "profile_name", default="auto", show_default=True,
+              help="Device profile name or YAML path ('auto' detects the board).")
+def service_build_flags(profile_name):
+    """Print (JSON) the device profile and the llama-cpp-python build flags install.sh uses."""
+    from .service import build_flags
+
+    click.echo(json.dumps(build_flags(profile_name)))
+
+
 # ---- device profiles and probes: `edgerun profile show|detect|list|probe` (edgerun/profile.py, edgerun/hw/) --
 
 @main.group("profile")
@@ -376,3 +465,71 @@ def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_p
         if cost["draft"]:
             click.echo(f"drafter {cost['draft']}: {cost['t_draft_s'] * 1e3:.3f} ms per token "
                        f"({cost['draft_vs_target']:.2f} x a target step)")
+
+
+# ---- quantization: `edgerun quantize`, `edgerun eval ppl` (edgerun/quant/pipeline.py, edgerun/perplexity.py) --
+
+@main.command()
+@click.argument("source")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--method", default="awq", show_default=True, help="awq (activation-aware search) or rtn (round-to-nearest).")
+@click.option("--format", "fmt", default="q4_0", show_default=True, help="Storage format of the linear weights: q4_0 or q4_1.")
+@click.option("--calib", default="builtin", show_default=True,
+              help="Calibration text: 'builtin' (CPython's reference prose), 'stdlib-code', or a text file.")
+@click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Calibration tokens (cut into 512-token sequences).")
+@click.option("--embed-type", default="q8_0", show_default=True, help="Token embeddings / output head: q8_0 or f16.")
+@click.option("--grid", type=int, default=20, show_default=True, help="AWQ scale exponents tried per group.")
+@click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no_pull, as_json):
+    """Quantize SOURCE (registry name, .gguf, or Hugging Face checkpoint dir) to an INT4 GGUF at OUT."""
+    from .config import QuantArgs
+    from .quant.pipeline import quantize as run
+
+    args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
+                     grid=grid)
+
+    def cb(msg: str, done: int, total: int) -> None:
+        click.echo(f"\r[{done}/{total}] {msg}".ljust(100), err=True, nl=done >= total)
+
+    rep = run(source, out, args, progress=None if as_json else cb, pull=not no_pull)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=1))
+        return
+    click.echo(f"wrote {rep.out}: {rep.method} {rep.format}, {rep.n_layer} layers, {rep.seconds:.1f} s, "
+               f"peak RSS {rep.peak_rss_mb:.0f} MB")
+    if rep.method == "awq":
+        n = {c: sum(g.choice == c for g in rep.groups) for c in ("awq", "clip", "rtn")}
+        click.echo(f"calibration: {rep.calib_tokens} tokens of {rep.calib_name}; output error "
+                   f"-{100 * rep.error_reduction:.1f}% vs round-to-nearest; groups: {n['awq']} awq, "
+                   f"{n['clip']} clip only, {n['rtn']} fallback to rtn")
+
+
+@main.group("eval")
+def eval_group() -> None:
+    """Evaluate models (perplexity)."""
+
+
+@eval_group.command("ppl")
+@click.argument("model")
+@click.option("--text", "text_spec", required=True,
+              help="Text file, or 'builtin' (CPython reference prose) / 'stdlib-code' (CPython stdlib source).")
+@click.option("--ctx", type=int, default=512, show_default=True, help="Window length in tokens.")
+@click.option("--threads", "n_threads", type=int, default=None, help="CPU threads.")
+@click.option("--max-windows", type=int, default=None, help="Score only the first N windows.")
+@click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, as_json):
+    """Perplexity of MODEL on a text, scored like llama.cpp's llama-perplexity (second half of each window)."""
+    from .calib import load_text
+    from .perplexity import perplexity
+    from .registry import resolve_model
+
+    name, text = load_text(text_spec)
+    path = resolve_model(model, pull=not no_pull)
+    res = perplexity(path, text, ctx=ctx, n_threads=n_threads, max_windows=max_windows, text_name=name)
+    if as_json:
+        click.echo(json.dumps(res.to_dict(), indent=1))
+        return
+    click.echo(f"{res.model} on {res.text}: PPL {res.ppl:.4f} (nll {res.nll:.4f} +/- {res.nll_stderr:.4f}; "
+               f"{res.n_windows} windows x ctx {res.ctx}, {res.n_scored} tokens scored; {res.seconds:.1f} s)")
