@@ -489,10 +489,17 @@ def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no
     args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
                      grid=grid)
 
+    shown = []
+
     def cb(msg: str, done: int, total: int) -> None:
         click.echo(f"\r[{done}/{total}] {msg}".ljust(100), err=True, nl=done >= total)
+        shown[:] = [done < total]
 
-    rep = run(source, out, args, progress=None if as_json else cb, pull=not no_pull)
+    try:
+        rep = run(source, out, args, progress=None if as_json else cb, pull=not no_pull)
+    finally:
+        if shown and shown[0]:
+            click.echo("", err=True)            # end the progress line before an error message
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=1))
         return

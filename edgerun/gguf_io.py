@@ -365,6 +365,9 @@ def write_gguf(path: str | Path, arch: str, kvs: Sequence[KV], plan: Sequence[Te
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        if not plan:                      # no tensors: still pad to where the data section would start
+            for f in w.fout:
+                w.write_padding(f, f.tell())
         for t in plan:
             try:
                 arr = next(data)

@@ -1,0 +1,97 @@
+"""Perplexity of a GGUF model on a text through the llama.cpp backend, scored as `llama-perplexity`.
+
+Method (the same as llama.cpp's `llama-perplexity`, so the figures are comparable):
+the whole text is tokenized once (with BOS first if the model adds one); it is cut into
+non-overlapping windows of `ctx` tokens (a trailing partial window is dropped); each window is
+evaluated from an empty cache, with its first token replaced by BOS when the model adds one; only
+the second half of each window is scored: the logits at positions ctx/2 .. ctx-2 predict tokens
+ctx/2+1 .. ctx-1 (ctx/2 - 1 predictions per window, each with at least ctx/2 tokens of context).
+PPL = exp(mean negative log-likelihood over all scored tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import InvalidArgument
+
+log = logging.getLogger(__name__)
+
+METHOD = ("llama-perplexity: non-overlapping windows of ctx tokens, BOS first if the model adds one, "
+          "second half of each window scored")
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    model: str
+    text: str
+    ctx: int
+    ppl: float
+    nll: float               # mean negative log-likelihood (nats per token)
+    nll_stderr: float        # standard error of the mean
+    n_windows: int
+    n_scored: int
+    n_text_tokens: int
+    seconds: float
+    method: str = METHOD
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """log p(target) per row: logits [k, V] float32, targets [k] -> [k] float64."""
+    z = logits.astype(np.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(z - m).sum(axis=1))
+    return z[np.arange(len(targets)), targets] - lse
+
+
+def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int | None = None,
+               max_windows: int | None = None, text_name: str = "",
+               progress: Callable[[str, int, int], None] | None = None) -> PerplexityResult:
+    """Perplexity of the GGUF at `model` on `text` (see the module docstring for the method)."""
+    from .backends.llamacpp import LlamaCppBackend
+    from .config import BackendArgs
+
+    if not isinstance(ctx, int) or ctx < 16 or ctx % 2:
+        raise InvalidArgument(f"ctx must be an even integer >= 16, got {ctx!r}")
+    t0 = time.perf_counter()
+    be = LlamaCppBackend(model, BackendArgs(n_ctx=ctx, n_batch=ctx, n_threads=n_threads, flash_attn=True))
+    try:
+        tok = be.tokenizer
+        add_bos = bool(tok.add_bos) and tok.bos_id >= 0
+        tokens = tok.tokenize(text, special=False, add_bos=add_bos)
+        n_windows = len(tokens) // ctx
+        if max_windows is not None:
+            n_windows = min(n_windows, max_windows)
+        if n_windows < 1:
+            raise InvalidArgument(f"the text has {len(tokens)} tokens; expected at least ctx = {ctx} "
+                                  "for one perplexity window")
+        first = ctx // 2
+        nll = []
+        for w in range(n_windows):
+            window = list(tokens[w * ctx:(w + 1) * ctx])
+            if add_bos:
+                window[0] = tok.bos_id
+            be.truncate(0)
+            logits = be.eval(window, n_logits=ctx - first)            # positions first .. ctx-1
+            targets = np.asarray(window[first + 1:], dtype=np.int64)  # [ctx - first - 1]
+            nll.append(-_log_softmax_at(logits[:-1], targets))
+            if progress is not None:
+                progress("perplexity", w + 1, n_windows)
+        all_nll = np.concatenate(nll)
+        mean = float(all_nll.mean())
+        se = float(all_nll.std(ddof=1) / math.sqrt(len(all_nll))) if len(all_nll) > 1 else 0.0
+        return PerplexityResult(model=Path(model).name, text=text_name, ctx=ctx, ppl=math.exp(mean), nll=mean,
+                                nll_stderr=se, n_windows=n_windows, n_scored=int(all_nll.size),
+                                n_text_tokens=len(tokens), seconds=time.perf_counter() - t0)
+    finally:
+        be.close()

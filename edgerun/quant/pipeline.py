@@ -1,0 +1,294 @@
+"""Quantization pipeline: load -> calibrate -> AWQ per block (with fallback) -> pack -> write GGUF.
+
+Streaming: the source is read one block at a time (dequantized on demand), calibration
+activations of one block are held at once, and each block's packed tensors are written to the
+output file as soon as they are ready. The file appears only when complete (gguf_io.write_gguf).
+
+Per block, for each scale group (in reverse order, so that a group whose 1/s is folded into a
+linear of an earlier group is decided before that linear is quantized) three candidates are
+scored by the group's output error on calibration tokens, and the best is kept:
+  awq   AWQ scale s (grid search) + per-block d/m search on the scaled weights,
+  clip  s = 1 + per-block d/m search,
+  rtn   plain round-to-nearest (the fallback; AWQ never makes a group worse than this).
+RTN (`method="rtn"`) is the same pipeline with the search skipped: byte-identical to gguf.quants.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .. import __version__
+from ..arch import ModelConfig
+from ..calib import load_text, token_sequences, tokens_sha256
+from ..config import QuantArgs
+from ..errors import EdgerunError, InvalidArgument, QuantizationError
+from ..gguf_io import KV, GGUFSource, HFSource, TensorPlan, hparam_kv, open_source, source_kv, write_gguf
+from ..reference.llama import block_forward
+from . import awq
+from . import formats as F
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int, int], None]     # (message, done, total)
+FILE_TYPE = {"q4_0": 2, "q4_1": 3}               # llama.cpp LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
+
+
+@dataclass(frozen=True)
+class GroupReport:
+    layer: int
+    group: str
+    choice: str              # "awq" | "clip" | "rtn"
+    alpha: float | None
+    loss_rtn: float          # output error of round-to-nearest on the scoring tokens
+    loss: float              # output error of what was stored
+
+
+@dataclass
+class QuantReport:
+    out: str
+    method: str
+    format: str
+    source: str
+    n_layer: int
+    calib_name: str = ""
+    calib_tokens: int = 0
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    groups: list[GroupReport] = field(default_factory=list)
+
+    @property
+    def error_reduction(self) -> float:
+        """1 - sum(loss) / sum(loss_rtn) over every group (0 for rtn)."""
+        r = sum(g.loss_rtn for g in self.groups)
+        return 0.0 if r == 0 else 1.0 - sum(g.loss for g in self.groups) / r
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["error_reduction"] = self.error_reduction
+        return d
+
+
+def _ggml(name: str):
+    import gguf
+    return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+            "q4_1": gguf.GGMLQuantizationType.Q4_1}[name]
+
+
+def _kind(cfg: ModelConfig, name: str) -> str:
+    """'embed' (token_embd/output), 'linear' (a block matrix) or 'f32' (norms, biases, rope_freqs)."""
+    if name in ("token_embd.weight", "output.weight"):
+        return "embed"
+    parts = name.split(".")
+    if parts[0] == "blk" and parts[-1] == "weight" and parts[2] in cfg.spec.linears:
+        return "linear"
+    return "f32"
+
+
+def _store(kind: str, a: np.ndarray, args: QuantArgs, params: F.BlockParams | None = None) -> np.ndarray:
+    if kind == "embed":
+        return a.astype(np.float16) if args.embed_type == "f16" else F.pack("q8_0", a)
+    if kind == "linear":
+        return F.pack(args.format, a, params)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _check_finite(name: str, a: np.ndarray) -> np.ndarray:
+    if not np.isfinite(a).all():
+        raise QuantizationError(f"tensor {name} has {int((~np.isfinite(a)).sum())} NaN/inf values; "
+                                "expected finite weights")
+    return a
+
+
+def _kv_tie(cfg: ModelConfig) -> np.ndarray:
+    """o-proj input channel (h*hd + j) -> the v channel it reads ((h // n_rep) * hd + j)."""
+    c = np.arange(cfg.n_head * cfg.head_dim)
+    return (c // cfg.head_dim // cfg.n_rep) * cfg.head_dim + c % cfg.head_dim
+
+
+def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarray, grid: int,
+              n_search: int, rng: np.random.Generator, layer: int = 0,
+              ) -> tuple[dict[str, np.ndarray], dict[str, F.BlockParams | None], np.ndarray, list[GroupReport]]:
+    """AWQ on one block. w: block tensors ('attn_q.weight', ...) float32; x [B, T, d] block input.
+
+    Returns (folded float weights, block params per linear (None = round-to-nearest), the float
+    block output [B, T, d] (the next block's input), one report per scale group).
+    """
+    rec: dict[str, np.ndarray] = {}
+    x_out, _, _ = block_forward(cfg, w, x, 0, None, rec)
+    w = {k: v.copy() for k, v in w.items()}
+    params: dict[str, F.BlockParams | None] = {}
+    reports = []
+    rowscale: dict[str, np.ndarray] = {}            # linear -> divisor of its rows (a later group's s)
+    for g in reversed(cfg.spec.groups):
+        xg = rec[g.name]
+        xg = xg.reshape(-1, xg.shape[-1])                                   # [B*T, in]
+        st = awq.group_stats(xg, n_search, rng)
+        names = [l + ".weight" for l in g.linears]
+        ws = [w[n] / rowscale[l][:, None] if l in rowscale else w[n] for n, l in zip(names, g.linears)]
+        xs = st.x_search
+        refs = [xs @ wi.T for wi in ws]
+        tie = _kv_tie(cfg) if g.repeat_kv else None
+        sr = awq.search_scale(fmt, ws, st, grid, tie)
+        cands = [("rtn", None, [None] * len(ws), sr.loss_rtn)]
+        ones = np.ones(xs.shape[1], np.float32)
+        pc = [awq.choose_block_params(fmt, wi, st, ones) for wi in ws]
+        cands.append(("clip", None, pc, awq.output_error(fmt, ws, xs, None, refs, pc)))
+        if sr.alpha is not None:
+            pa = [awq.choose_block_params(fmt, wi * sr.s, st, sr.s) for wi in ws]
+            cands.append(("awq", sr, pa, awq.output_error(fmt, ws, xs, sr.s, refs, pa)))
+        choice, res, ps, loss = min(cands, key=lambda c: c[3])
+        s = res.s if res is not None else None
+        for n, l, wi, p in zip(names, g.linears, ws, ps):
+            w[n] = wi * s if s is not None else wi
+            params[n] = p
+        if s is not None:                                                    # fold 1/s into prev
+            if g.prev_kind == "norm":
+                w[g.prev + ".weight"] = w[g.prev + ".weight"] / s
+            else:
+                rowscale[g.prev] = res.s_tied
+        reports.append(GroupReport(layer, g.name, choice, None if res is None else res.alpha, sr.loss_rtn, loss))
+    for l, sc in rowscale.items():                                           # prev linears' biases
+        b = l + ".bias"
+        if b in w:
+            w[b] = w[b] / sc
+    return w, params, x_out, list(reversed(reports))
+
+
+def _calibration(src, path_for_vocab: Path, args: QuantArgs, cfg: ModelConfig):
+    """(name, token sequences [n_seq, seq_len]) from the calibration text with the model's tokenizer."""
+    from ..tokenizer import Tokenizer
+    name, text = load_text(args.calib)
+    tok = Tokenizer.from_gguf(path_for_vocab)
+    seq_len = min(args.seq_len, cfg.n_ctx_train)
+    if args.calib_tokens < seq_len:
+        seq_len = args.calib_tokens
+    bos = tok.bos_id if tok.add_bos and tok.bos_id >= 0 else None
+    seqs = token_sequences(text, lambda t: tok.tokenize(t, special=False, add_bos=False),
+                           args.calib_tokens, seq_len, bos)
+    if seqs.max() >= cfg.n_vocab:
+        raise QuantizationError(f"tokenizer produced id {seqs.max()} >= n_vocab {cfg.n_vocab}; "
+                                "the tokenizer does not match the weights")
+    return name, seqs
+
+
+def _vocab_gguf(src: HFSource, directory: Path) -> Path:
+    """A weightless GGUF holding the HF checkpoint's tokenizer, for llama.cpp's tokenizer."""
+    p = directory / "vocab.gguf"
+    write_gguf(p, src.cfg.arch, [*hparam_kv(src.cfg), *src.tokenizer_kv()], [], iter(()))
+    return p
+
+
+def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs = QuantArgs(), *,
+             progress: Progress | None = None, n_search: int = 512, seed: int = 0,
+             pull: bool = True) -> QuantReport:
+    """Quantize a GGUF / HF checkpoint / registry model to an INT4 GGUF at `out`; return a report."""
+    import tempfile
+
+    t0 = time.perf_counter()
+    if args.format not in FILE_TYPE:
+        raise QuantizationError(f"target format {args.format!r} is not supported; expected one of {sorted(FILE_TYPE)}")
+    spec = os.fspath(source)
+    if not Path(spec).exists():
+        from ..registry import resolve_model
+        spec = os.fspath(resolve_model(spec, pull=pull))
+    src = open_source(spec)
+    cfg = src.cfg
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise QuantizationError(f"{out} is a directory; expected an output .gguf file path")
+    linear_in = {cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_ff}
+    if any(k % F.QK for k in linear_in):
+        raise QuantizationError(f"input dimensions {sorted(linear_in)} must be multiples of {F.QK} for {args.format}")
+    report = QuantReport(str(out), args.method, args.format, src.name, cfg.n_layer)
+
+    with tempfile.TemporaryDirectory(prefix="edgerun-quant-") as tmp:
+        seqs = None
+        if args.method == "awq":
+            vocab_path = src.path if isinstance(src, GGUFSource) else _vocab_gguf(src, Path(tmp))
+            report.calib_name, seqs = _calibration(src, vocab_path, args, cfg)
+            report.calib_tokens = int(seqs.size)
+        names = src.tensor_names()
+        plan = []
+        for n in names:
+            shape = tuple(int(v) for v in src.tensor(n).shape) if n.startswith(("rope", "output_norm")) \
+                else _shape(cfg, n)
+            kind = _kind(cfg, n)
+            qt = {"embed": args.embed_type, "linear": args.format, "f32": "f32"}[kind]
+            plan.append(TensorPlan(n, shape, _ggml(qt)))
+        import gguf
+        T = gguf.GGUFValueType
+        meta = [KV("edgerun.quant.method", args.method, T.STRING), KV("edgerun.quant.format", args.format, T.STRING),
+                KV("edgerun.quant.block_size", F.QK, T.UINT32),
+                KV("edgerun.quant.grid", args.grid if args.method == "awq" else 0, T.UINT32),
+                KV("edgerun.quant.embed_type", args.embed_type, T.STRING),
+                KV("edgerun.calib.sha256", tokens_sha256(seqs) if seqs is not None else "", T.STRING),
+                KV("edgerun.calib.n_tokens", report.calib_tokens, T.UINT32),
+                KV("edgerun.calib.name", report.calib_name, T.STRING),
+                KV("edgerun.source.sha256", src.sha256(), T.STRING),
+                KV("edgerun.source.name", src.name, T.STRING),
+                KV("edgerun.version", __version__, T.STRING)]
+        data = _tensor_data(src, cfg, args, seqs, n_search, seed, report, progress)
+        write_gguf(out, cfg.arch, [*source_kv(src), *meta], plan, data, FILE_TYPE[args.format])
+    report.seconds = time.perf_counter() - t0
+    report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    log.info("quantized %s -> %s in %.1f s (error reduction %.1f%%)", src.name, out, report.seconds,
+             100 * report.error_reduction)
+    return report
+
+
+def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    d, hd = cfg.n_embd, cfg.head_dim
+    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    if name in ("token_embd.weight", "output.weight"):
+        return (cfg.n_vocab, d)
+    suffix, kind = name.split(".")[2:]
+    if kind == "bias":
+        return ({"attn_q": q, "attn_k": kv, "attn_v": kv}[suffix],)
+    return {"attn_norm": (d,), "ffn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d),
+            "attn_output": (d, q), "ffn_gate": (cfg.n_ff, d), "ffn_up": (cfg.n_ff, d),
+            "ffn_down": (d, cfg.n_ff)}[suffix]
+
+
+def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, seed: int,
+                 report: QuantReport, progress: Progress | None):
+    """Yield the stored arrays in plan order, running AWQ block by block."""
+    rng = np.random.default_rng(seed)
+    x = None
+    for n in src.tensor_names():
+        if not n.startswith("blk."):
+            a = _check_finite(n, src.tensor(n))
+            if n == "token_embd.weight" and seqs is not None:
+                x = a[seqs].astype(np.float32)                                  # [n_seq, seq_len, d]
+            yield _store(_kind(cfg, n), a, args)
+            continue
+        i, rest = int(n.split(".")[1]), ".".join(n.split(".")[2:])
+        if rest != f"{cfg.spec.block[0][0]}.weight":
+            continue                                                            # yielded with its block
+        prefix = f"blk.{i}."
+        bnames = [m for m in src.tensor_names() if m.startswith(prefix)]
+        w = {m[len(prefix):]: _check_finite(m, src.tensor(m)) for m in bnames}
+        params: dict = {}
+        if args.method == "awq":
+            w, params, x, reps = awq_block(cfg, args.format, w, x, args.grid, n_search, rng, i)
+            report.groups.extend(reps)
+            r = sum(g.loss_rtn for g in reps)
+            red = 0.0 if r == 0 else 1 - sum(g.loss for g in reps) / r
+            msg = f"layer {i + 1}/{cfg.n_layer}: output error -{100 * red:.1f}% vs RTN " \
+                  f"({', '.join(g.choice for g in reps)})"
+        else:
+            msg = f"layer {i + 1}/{cfg.n_layer}"
+        log.info(msg)
+        for m in bnames:
+            k = m[len(prefix):]
+            yield _store(_kind(cfg, m), w[k], args, params.get(k))
+        if progress is not None:
+            progress(msg, i + 1, cfg.n_layer)

@@ -1,0 +1,172 @@
+"""AWQ pipeline on tiny models: folding is exact in float, RTN is byte-identical to gguf.quants,
+the written file is what the simulation computes and llama.cpp runs it, metadata round-trips."""
+
+import hashlib
+
+import gguf
+import numpy as np
+import pytest
+
+from edgerun.config import QuantArgs
+from edgerun.gguf_io import GGUFSource, read_edgerun_metadata
+from edgerun.quant import awq
+from edgerun.quant import formats as F
+from edgerun.quant.pipeline import awq_block, quantize
+from edgerun.reference.llama import ReferenceModel, block_forward, block_weights
+
+ARGS = dict(calib_tokens=256, seq_len=128, grid=10)
+
+
+@pytest.fixture(scope="module")
+def src_model(tiny_model_factory):
+    """Tiny qwen2 (GQA 4/2 heads, biases) with salient activation channels."""
+    return tiny_model_factory(arch="qwen2", n_embd=128, n_ff=256, outlier_channels=4, seed=7)
+
+
+@pytest.fixture(scope="module")
+def awq_q4_0(src_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("awq") / "awq_q4_0.gguf"
+    rep = quantize(src_model, out, QuantArgs(method="awq", format="q4_0", **ARGS))
+    return out, rep
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_scale_folding_keeps_float_model(tiny_model_factory, arch):
+    p = tiny_model_factory(arch=arch, n_embd=128, n_ff=256, outlier_channels=4, seed=1)
+    src = GGUFSource(p)
+    cfg = src.cfg
+    tensors = {n: src.tensor(n) for n in src.tensor_names()}
+    rng = np.random.default_rng(0)
+    x = tensors["token_embd.weight"][rng.integers(0, cfg.n_vocab, (2, 64))].astype(np.float64)
+    w = {k: v.astype(np.float64) for k, v in block_weights(tensors, 0).items()}
+    folded, params, x_out, reps = awq_block(cfg, "q4_0", w, x, grid=10, n_search=128, rng=rng)
+    assert any(r.choice == "awq" for r in reps)            # scales were really folded somewhere
+    assert any(not np.allclose(folded[k], w[k]) for k in w)
+    y_folded, _, _ = block_forward(cfg, folded, x)
+    np.testing.assert_allclose(y_folded, x_out, rtol=1e-9, atol=1e-9)
+
+
+def test_awq_beats_rtn_per_group(awq_q4_0):
+    _, rep = awq_q4_0
+    assert len(rep.groups) == 4 * 2
+    assert all(g.loss <= g.loss_rtn for g in rep.groups)
+    assert rep.error_reduction > 0.2
+
+
+def test_rtn_byte_identical_to_gguf_quants(src_model, tmp_path):
+    out = quantize(src_model, tmp_path / "rtn.gguf", QuantArgs(method="rtn", format="q4_1")).out
+    src = GGUFSource(src_model)
+    r = gguf.GGUFReader(out)
+    assert [t.name for t in r.tensors] == src.tensor_names()
+    for t in r.tensors:
+        a = src.tensor(t.name)
+        if t.name.startswith("blk.") and a.ndim == 2:
+            assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+            expect = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q4_1)
+        elif a.ndim == 2:
+            assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            expect = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
+        else:
+            expect = a
+        assert np.array_equal(np.asarray(t.data).reshape(expect.shape).view(np.uint8), expect.view(np.uint8)), t.name
+
+
+def test_written_file_is_the_simulated_model_and_runs_in_llamacpp(src_model, awq_q4_0):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    out, _ = awq_q4_0
+    toks = list(range(60, 160))
+    # the numpy simulation of the stored blocks (dequantized exactly as llama.cpp decodes them)
+    sim = ReferenceModel.from_gguf(out).forward(toks)
+    flt = ReferenceModel.from_gguf(src_model).forward(toks)
+    llm = llama_cpp.Llama(str(out), n_ctx=256, n_batch=256, verbose=False, logits_all=True, n_threads=1,
+                          flash_attn=True)
+    try:
+        llm.eval(toks)
+        lc = np.array(llm.scores[:len(toks)], dtype=np.float64)
+        # llama.cpp rounds activations to 8 bits for Q4_0 dot products: small, far below the quantization effect
+        assert np.abs(lc - sim).mean() < 0.25 * np.abs(flt - sim).mean()
+        llm.reset()
+        text = llm.create_completion("the net", max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert isinstance(text, str)
+        assert llm.n_tokens > len(llm.tokenize(b"the net", add_bos=False))   # it generated tokens
+    finally:
+        llm.close()
+
+
+def test_awq_is_closer_to_float_than_rtn(src_model, awq_q4_0, tmp_path):
+    out, _ = awq_q4_0
+    rtn = quantize(src_model, tmp_path / "rtn.gguf", QuantArgs(method="rtn", format="q4_0")).out
+    from edgerun.calib import pydoc_text
+    from edgerun.tokenizer import Tokenizer
+    toks = Tokenizer.from_gguf(src_model).tokenize(pydoc_text()[200000:201500], special=False, add_bos=False)
+    toks = toks[:256]
+    ref = ReferenceModel.from_gguf(src_model).forward(toks)
+
+    def kl(path):
+        q = ReferenceModel.from_gguf(path).forward(toks)
+        lp = ref - np.logaddexp.reduce(ref, axis=1, keepdims=True)
+        lq = q - np.logaddexp.reduce(q, axis=1, keepdims=True)
+        return float((np.exp(lp) * (lp - lq)).sum(1).mean())
+    assert kl(out) < kl(rtn)
+
+
+def test_metadata_round_trips(src_model, awq_q4_0):
+    out, rep = awq_q4_0
+    md = read_edgerun_metadata(out)
+    assert md["edgerun.quant.method"] == "awq" and md["edgerun.quant.format"] == "q4_0"
+    assert md["edgerun.quant.block_size"] == 32 and md["edgerun.quant.grid"] == 10
+    assert md["edgerun.quant.embed_type"] == "q8_0"
+    assert md["edgerun.calib.n_tokens"] == rep.calib_tokens == 256
+    assert md["edgerun.calib.name"] == "builtin:pydoc_topics" and len(md["edgerun.calib.sha256"]) == 64
+    assert md["edgerun.source.sha256"] == hashlib.sha256(src_model.read_bytes()).hexdigest()
+    a, b = GGUFSource(src_model), GGUFSource(out)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template",
+                "tokenizer.ggml.eos_token_id", "qwen2.rope.freq_base"):
+        assert a.get(key) == b.get(key), key
+    assert b.get("general.file_type") == 2
+    assert a.cfg == b.cfg
+
+
+def test_killed_run_leaves_no_file(src_model, tmp_path):
+    out = tmp_path / "killed.gguf"
+
+    def boom(msg, done, total):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize(src_model, out, QuantArgs(method="awq", **ARGS), progress=boom)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_checkpoint_bf16_sharded_input(tmp_path):
+    """A Hugging Face checkpoint (bf16, 2 shards, tokenizer.json) quantizes to a file llama.cpp loads."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tinymodel import tiny_weights, write_hf_checkpoint
+    cfg, hf = tiny_weights("llama", n_embd=64, n_ff=128, seed=3)
+    write_hf_checkpoint(tmp_path / "hf", cfg, hf, dtype="BF16", shards=2)
+    out = quantize(tmp_path / "hf", tmp_path / "o.gguf", QuantArgs(method="awq", format="q4_1", **ARGS)).out
+    from edgerun.tokenizer import Tokenizer
+    from tinymodel import write_tiny_model
+    same_vocab = Tokenizer.from_gguf(write_tiny_model(tmp_path / "g.gguf", arch="llama", n_embd=64, n_ff=128))
+    text = "the net is in the other; <|im_start|>user\n"
+    llm = llama_cpp.Llama(str(out), n_ctx=128, verbose=False, n_threads=1)
+    try:
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert ids == same_vocab.tokenize(text, special=True, add_bos=False)
+        assert len(ids) < len(text) - 10                      # merges and specials were carried over
+        assert llm.metadata["tokenizer.chat_template"].startswith("{% for message")
+        llm.eval(ids)
+    finally:
+        llm.close()
+
+
+def test_gram_and_diag_clip_search_agree_on_direction():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((300, 64)) * np.exp(rng.standard_normal(64))).astype(np.float32)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    for gram in (False, True):
+        st = awq.group_stats(x, 100, rng, gram=gram)
+        p = awq.choose_block_params("q4_0", w, st, np.ones(64, np.float32))
+        e_rtn = np.square(x @ (w - F.fake_quant("q4_0", w)).T).sum()
+        assert np.square(x @ (w - F.fake_quant("q4_0", w, p)).T).sum() < e_rtn

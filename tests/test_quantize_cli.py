@@ -1,0 +1,118 @@
+"""`edgerun quantize` and `edgerun eval ppl` transcripts: good runs, and bad inputs -> exit 2, one line, no file."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from edgerun.cli import main
+from tinymodel import tiny_weights, write_hf_checkpoint, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def src(tiny_model_factory):
+    return tiny_model_factory(arch="llama", n_embd=64, n_ff=128, seed=11)
+
+
+def run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r
+
+
+def assert_clean_error(r, out, *needles):
+    assert r.exit_code == 2, r.output
+    last = r.stderr.rstrip("\n").split("\n")[-1]          # after any progress line
+    assert last.startswith("error: ") and "\r" not in last, r.stderr
+    assert "Traceback" not in r.output
+    for n in needles:
+        assert n in last, r.stderr
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith("." + out.name)]
+
+
+def test_quantize_rtn_and_awq(src, tmp_path):
+    r = run("quantize", src, tmp_path / "a.gguf", "--method", "rtn")
+    assert r.exit_code == 0, r.output
+    assert "wrote" in r.stdout and (tmp_path / "a.gguf").exists()
+    r = run("quantize", src, tmp_path / "b.gguf", "--format", "q4_1", "--calib-tokens", "256", "--grid", "5",
+            "--embed-type", "f16", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["method"] == "awq" and rep["format"] == "q4_1" and rep["calib_tokens"] == 256
+    assert len(rep["groups"]) == 8 and 0 <= rep["error_reduction"] <= 1
+
+
+def test_unsupported_format(src, tmp_path):
+    assert_clean_error(run("quantize", src, tmp_path / "o.gguf", "--format", "q4_k"), tmp_path / "o.gguf", "q4_k")
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    p = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(p), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    out = tmp_path / "o.gguf"
+    assert_clean_error(run("quantize", p, out), out, "unsupported architecture", "gpt2")
+
+
+def test_missing_config_keys(tmp_path):
+    cfg, hf = tiny_weights("qwen2", seed=1)
+    del cfg["hidden_size"]
+    write_hf_checkpoint(tmp_path / "hf", cfg, hf)
+    out = tmp_path / "o.gguf"
+    assert_clean_error(run("quantize", tmp_path / "hf", out), out, "missing config keys", "hidden_size")
+
+
+def test_nan_weights(tmp_path):
+    cfg, hf = tiny_weights("llama", seed=1)
+    hf["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+    write_hf_checkpoint(tmp_path / "hf", cfg, hf)
+    out = tmp_path / "o.gguf"
+    assert_clean_error(run("quantize", tmp_path / "hf", out, "--calib-tokens", "128"), out, "NaN",
+                       "blk.1.ffn_up.weight")
+
+
+def test_calibration_text_too_short(src, tmp_path):
+    (tmp_path / "short.txt").write_text("a short calibration text.\n" * 10)
+    out = tmp_path / "o.gguf"
+    assert_clean_error(run("quantize", src, out, "--calib", tmp_path / "short.txt"), out, "too short")
+
+
+def test_missing_source(tmp_path):
+    out = tmp_path / "o.gguf"
+    r = run("quantize", tmp_path / "nope.gguf", out)
+    assert_clean_error(r, out)
+
+
+def test_eval_ppl_matches_reference(src, tmp_path):
+    """PPL through llama.cpp equals the numpy reference's on the same windows (second half scored)."""
+    from edgerun.calib import pydoc_text
+    from edgerun.reference.llama import ReferenceModel
+    from edgerun.tokenizer import Tokenizer
+    text = pydoc_text()[:6000]
+    (tmp_path / "t.txt").write_text(text)
+    r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    toks = Tokenizer.from_gguf(src).tokenize(text, special=False, add_bos=False)
+    n_win = len(toks) // 128
+    assert res["n_windows"] == n_win and res["n_scored"] == n_win * 63
+    m = ReferenceModel.from_gguf(src)
+    nll = []
+    for w in range(n_win):
+        win = toks[w * 128:(w + 1) * 128]
+        lg = m.forward(win)[64:127]
+        lse = np.logaddexp.reduce(lg, axis=1)
+        nll.extend(lse - lg[np.arange(63), win[65:]])
+    assert math.isclose(res["ppl"], math.exp(np.mean(nll)), rel_tol=5e-3)
+    r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128")
+    assert r.exit_code == 0 and "PPL" in r.stdout
+
+
+def test_eval_ppl_text_shorter_than_window(src, tmp_path):
+    (tmp_path / "t.txt").write_text("tiny")
+    r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128")
+    assert r.exit_code == 2 and r.stderr.startswith("error: ")
