@@ -15,6 +15,7 @@ head and the embedding), which is logged and recorded in the config.
 
 The directory holds:
     model.onnx, model.onnx.data    graph + weights (external data, so any size loads)
+    model.genai.onnx               the same graph for onnxruntime-genai (all logits; same weights file)
     tokenizer.gguf                 the source's metadata without tensors: edgerun.tokenizer loads it
     edgerun.json                   what the directory is (architecture, shapes, vocabulary fingerprint,
                                    context length, source, edgerun.* metadata) -- read by backends/onnxrt.py
@@ -23,7 +24,6 @@ The directory holds:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +37,7 @@ import numpy as np
 
 from .arch import ModelConfig, config_from_gguf_fields, get_arch
 from .errors import InvalidArgument, ModelFormatError, ModelNotFound
+from .quant.formats import q4_0_to_matmulnbits
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "edgerun.json"
 TOKENIZER_FILE = "tokenizer.gguf"
 GENAI_CONFIG_FILE = "genai_config.json"
+GENAI_MODEL_FILE = "model.genai.onnx"  # the same graph and weights with num_logits_to_keep fixed to 0
 
-LOGITS_TO_KEEP = "num_logits_to_keep"   # optional input (an overridable initializer, default 0 = all)
+LOGITS_TO_KEEP = "num_logits_to_keep"   # edgerun's input: logits for the last k positions (0 = all)
 BLOCK = 32                              # MatMulNBits block size: GGUF's Q4_0/Q8_0 block
 OPSET = 17                              # default-domain opset; onnxruntime >= 1.14 runs it
 IR_VERSION = 8                          # the IR version of opset 17 (older onnxruntimes refuse newer)
@@ -176,21 +178,6 @@ class NBits:
         return self.packed.nbytes + self.scales.nbytes
 
 
-def q4_0_to_nbits(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF Q4_0 rows -> MatMulNBits int4 (packed, scales); lossless.
-
-    Q4_0 block: fp16 d, then 16 bytes where byte j holds element j (low nibble) and j+16 (high);
-    MatMulNBits: byte j holds element 2j (low nibble) and 2j+1 (high); zero point 8 in both.
-    """
-    n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, 18)     # [N, nb, 2 + 16]
-    d = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)    # [N, nb]
-    qs = blocks[:, :, 2:]                                                      # [N, nb, 16]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)                          # [N, nb, 32] in element order
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)             # [N, nb, 16]
-    return packed, d
-
-
 def q8_0_to_nbits(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """GGUF Q8_0 rows -> MatMulNBits int8 (packed, scales); lossless (value = (u - 128) * d)."""
     n = raw.shape[0]
@@ -211,74 +198,62 @@ def nbits_dequantize(w: NBits) -> np.ndarray:
 
 
 class _Source:
-    """The parts of a GGUF the exporter reads: metadata, tensor types and raw bytes."""
+    """The exporter's view of a model (edgerun.gguf_io): metadata, and each weight as MatMulNBits."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
-
+        from .gguf_io import GGUFSource, open_source
         from .llama_lib import check_gguf
 
-        self.path = check_gguf(path)
-        try:
-            self.reader = GGUFReader(self.path)
-        except (ValueError, OSError) as e:  # pragma: no cover - check_gguf read it already
-            raise ModelFormatError(f"{path}: cannot read GGUF ({e})") from e
-        self.fields = self.reader.fields
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self.arch = self.get("general.architecture")
-        get_arch(self.arch)
-        if "token_embd.weight" not in self.tensors:
-            raise ModelFormatError(f"{path}: no token_embd.weight tensor; expected a llama-like decoder GGUF")
-        n_vocab = int(self.tensors["token_embd.weight"].shape[1])    # gguf shape is [n_embd, n_vocab]
-        self.cfg: ModelConfig = config_from_gguf_fields(self.arch, self.get, n_vocab,
-                                                        tied="output.weight" not in self.tensors)
+        if not path.exists():
+            raise ModelNotFound(f"model not found: {path}; expected a .gguf file or a Hugging Face "
+                                f"checkpoint directory")
+        if path.is_file():
+            check_gguf(path)                 # clear errors for truncated / non-GGUF files
+        self.path = path
+        self.src = open_source(path)
+        self.is_gguf = isinstance(self.src, GGUFSource)
+        self.cfg: ModelConfig = self.src.cfg
+        self.arch = self.cfg.arch
+        self.names = set(self.src.tensor_names())
 
-    _REQUIRED = object()
-
-    def get(self, key: str, default: Any = _REQUIRED) -> Any:
-        f = self.fields.get(key)
-        if f is None:
-            if default is self._REQUIRED:
-                raise ModelFormatError(f"{self.path}: GGUF metadata key {key!r} is missing")
-            return default
-        return f.contents()
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.src.get(key, default)
 
     def edgerun_metadata(self) -> dict:
-        return {k: self.get(k) for k in self.fields if k.startswith("edgerun.")}
+        if not self.is_gguf:
+            return {}
+        return {kv.key: kv.value for kv in self.src.kv() if kv.key.startswith("edgerun.")}
 
     def float32(self, name: str) -> np.ndarray:
-        """A tensor dequantized to float32 in numpy layout ([out, in] for matrices)."""
-        import gguf
-
-        t = self.tensors[name]
-        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        return np.ascontiguousarray(a, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+        """A tensor as float32 in GGUF layout ([out, in] for matrices), dequantized if stored quantized."""
+        return np.ascontiguousarray(self.src.tensor(name), dtype=np.float32)
 
     def nbits(self, name: str, requant: str = "q4_0") -> NBits:
-        """A 2-D weight as MatMulNBits: Q4_0/Q8_0 as they are, anything else re-quantized to `requant`."""
+        """A 2-D weight as MatMulNBits: Q4_0/Q8_0 blocks as they are, anything else re-quantized to `requant`."""
         import gguf
 
+        from .quant.formats import pack
+
         T = gguf.GGMLQuantizationType
-        t = self.tensors[name]
-        k = int(t.shape[0])
-        if k % BLOCK:
-            raise ModelFormatError(f"{self.path}: {name} has {k} input features; MatMulNBits needs a "
-                                   f"multiple of {BLOCK}")
-        kind = t.tensor_type
+        kind = self.src.tensor_type(name) if self.is_gguf else None
         if kind == T.Q4_0:
-            packed, d = q4_0_to_nbits(np.asarray(t.data))
+            packed, d = q4_0_to_matmulnbits(np.asarray(self.src.raw(name)))
             return NBits(4, packed, d, "Q4_0->int4 (lossless)")
         if kind == T.Q8_0:
-            packed, d = q8_0_to_nbits(np.asarray(t.data))
+            packed, d = q8_0_to_nbits(np.asarray(self.src.raw(name)))
             return NBits(8, packed, d, "Q8_0->int8 (lossless)")
-        target = T.Q4_0 if requant == "q4_0" else T.Q8_0
-        raw = gguf.quants.quantize(self.float32(name), target)
-        log.info("%s: %s re-quantized to %s for MatMulNBits", name, kind.name, target.name)
-        if target == T.Q4_0:
-            packed, d = q4_0_to_nbits(raw)
-            return NBits(4, packed, d, f"{kind.name}->Q4_0->int4 (requantized)")
+        w = self.float32(name)                                       # [N, K]
+        if w.ndim != 2 or w.shape[1] % BLOCK:
+            raise ModelFormatError(f"{self.path}: {name} has shape {w.shape}; MatMulNBits needs a matrix whose "
+                                   f"rows are a multiple of {BLOCK} long")
+        raw = pack(requant, w)
+        what = kind.name if kind is not None else "float"
+        log.info("%s: %s re-quantized to %s for MatMulNBits", name, what, requant.upper())
+        if requant == "q4_0":
+            packed, d = q4_0_to_matmulnbits(raw)
+            return NBits(4, packed, d, f"{what}->Q4_0->int4 (requantized)")
         packed, d = q8_0_to_nbits(raw)
-        return NBits(8, packed, d, f"{kind.name}->Q8_0->int8 (requantized)")
+        return NBits(8, packed, d, f"{what}->Q8_0->int8 (requantized)")
 
 
 def _rope_tables(src: _Source, cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
@@ -294,7 +269,7 @@ def _rope_tables(src: _Source, cfg: ModelConfig, n_ctx: int) -> tuple[np.ndarray
         raise ModelFormatError(f"{src.path}: RoPE scaling {scaling!r} is not supported by the ONNX export; "
                                f"expected none or linear")
     inv = cfg.rope_base ** (-np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim)   # [hd/2]
-    if "rope_freqs.weight" in src.tensors:
+    if "rope_freqs.weight" in src.names:
         inv = inv / src.float32("rope_freqs.weight").astype(np.float64).reshape(-1)
     pos = np.arange(n_ctx, dtype=np.float64) / (factor if scaling == "linear" else 1.0)
     ang = pos[:, None] * inv[None, :]                                                             # [n_ctx, hd/2]
@@ -418,7 +393,6 @@ def _build(src: _Source, n_ctx: int, accuracy_level: int, data_path: Path
         inputs.append(helper.make_tensor_value_info(past_key(i), TensorProto.FLOAT, kv_shape))
         inputs.append(helper.make_tensor_value_info(past_value(i), TensorProto.FLOAT, kv_shape))
     inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
-    g.const(LOGITS_TO_KEEP, [0])
 
     # GQA's lengths from the attention mask: seqlens_k = sum(mask) - 1, total = mask.shape[1]
     (msum,) = g.node("ReduceSum", ["attention_mask", g.const("axes_1", [1])], name="mask/ReduceSum", keepdims=0)
@@ -446,8 +420,8 @@ def _build(src: _Source, n_ctx: int, accuracy_level: int, data_path: Path
         qkv = [load(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")]
         weight_bytes += sum(w.nbytes for w in qkv)
         bias = None
-        if any(p + n + ".bias" in src.tensors for n in ("attn_q", "attn_k", "attn_v")):
-            bias = np.concatenate([vec(p + n + ".bias") if p + n + ".bias" in src.tensors
+        if any(p + n + ".bias" in src.names for n in ("attn_q", "attn_k", "attn_v")):
+            bias = np.concatenate([vec(p + n + ".bias") if p + n + ".bias" in src.names
                                    else np.zeros(w.n, np.float32) for n, w in zip(("attn_q", "attn_k", "attn_v"), qkv)])
         y = _linears(g, x, qkv, p + "attn_qkv", accuracy_level, bias)                 # [B, S, (H + 2 Hkv) hd]
         attn, _, _ = g.node("GroupQueryAttention", [y, "", "", past_key(i), past_value(i), seqlens_k, total,
@@ -520,19 +494,14 @@ def _write_tokenizer_gguf(src: _Source, path: Path) -> None:
     """The source's metadata (tokenizer.*, hyperparameters, general.*) and no tensors."""
     import gguf
 
+    from .gguf_io import source_kv
+
     w = gguf.GGUFWriter(str(path), src.arch)
-    for name, f in src.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
+    for kv in source_kv(src.src):
+        if kv.sub_type == gguf.GGUFValueType.ARRAY:
+            log.warning("skipping nested-array metadata key %s", kv.key)
             continue
-        vtype = f.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = f.types[-1] if len(f.types) > 1 else None
-            if sub == gguf.GGUFValueType.ARRAY:
-                log.warning("skipping nested-array metadata key %s in %s", name, path.name)
-                continue
-            w.add_key_value(name, f.contents(), vtype, sub_type=sub)
-        else:
-            w.add_key_value(name, f.contents(), vtype)
+        w.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -550,7 +519,7 @@ def _genai_config(cfg: OnnxModelConfig, eos_ids: list[int]) -> dict:
             "vocab_size": cfg.n_vocab,
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": cfg.model_file,
+                "filename": GENAI_MODEL_FILE,
                 "head_size": cfg.head_dim,
                 "hidden_size": cfg.n_embd,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
@@ -570,12 +539,28 @@ def _genai_config(cfg: OnnxModelConfig, eos_ids: list[int]) -> dict:
     }
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _genai_variant(model):
+    """The graph without the num_logits_to_keep input (a constant 0: logits for every position).
+
+    onnxruntime-genai feeds only the inputs it knows; both files read the same model.onnx.data.
+    """
+    from onnx import numpy_helper
+
+    m = type(model)()
+    m.CopyFrom(model)
+    keep = [i for i in m.graph.input if i.name != LOGITS_TO_KEEP]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    m.graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP))
+    return m
+
+
+def _save(model, path: Path) -> None:
+    import onnx
+
+    onnx.save_model(model, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -639,11 +624,8 @@ def export_onnx(src: str | Path, out_dir: str | Path, *, n_ctx: int | None = Non
         tok = Tokenizer.from_gguf(tmp / TOKENIZER_FILE)
         say("building the graph (MatMulNBits int4, GroupQueryAttention)")
         model, weight_bytes, conv = _build(s, n_ctx, accuracy_level, tmp / DATA_FILE)
-        import onnx
-
-        onnx.save_model(model, str(tmp / MODEL_FILE))
-        with open(tmp / MODEL_FILE, "rb+") as f:
-            os.fsync(f.fileno())
+        _save(model, tmp / MODEL_FILE)
+        _save(_genai_variant(model), tmp / GENAI_MODEL_FILE)
         lossy = sorted(k for k, v in conv.items() if not v.endswith("(lossless)"))
         if lossy:
             log.warning("%d of %d weight tensors were re-quantized (not lossless), e.g. %s: %s",
@@ -655,8 +637,8 @@ def export_onnx(src: str | Path, out_dir: str | Path, *, n_ctx: int | None = Non
             rope_style=get_arch(s.arch).rope_style, vocab_fingerprint=tok.vocab_fingerprint,
             weight_bytes=int(weight_bytes), accuracy_level=accuracy_level,
             bos_id=int(tok.bos_id), eos_id=int(tok.eos_id),
-            source={"file": src_path.name, "size": src_path.stat().st_size, "sha256": _sha256(src_path),
-                    "name": s.get("general.name", src_path.stem)},
+            source={"file": src_path.name, "sha256": s.src.sha256(),
+                    "name": s.get("general.name", None) or src_path.stem},
             metadata=_jsonable(s.edgerun_metadata()), conversions=conv)
         _write_json(tmp / CONFIG_FILE, asdict(ocfg))
         eos = sorted({int(tok.eos_id)} | {t for t in range(tok.n_vocab) if tok.is_eog(t)})
@@ -695,5 +677,5 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
-__all__ = ["export_onnx", "read_config", "is_onnx_dir", "OnnxModelConfig", "q4_0_to_nbits", "q8_0_to_nbits",
+__all__ = ["export_onnx", "read_config", "is_onnx_dir", "OnnxModelConfig", "q8_0_to_nbits",
            "nbits_dequantize", "NBits"]
