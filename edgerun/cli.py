@@ -540,3 +540,46 @@ def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, as_json):
         return
     click.echo(f"{res.model} on {res.text}: PPL {res.ppl:.4f} (nll {res.nll:.4f} +/- {res.nll_stderr:.4f}; "
                f"{res.n_windows} windows x ctx {res.ctx}, {res.n_scored} tokens scored; {res.seconds:.1f} s)")
+
+
+# ---- ONNX export: `edgerun export onnx` (edgerun/onnx_export.py) ---------------------------------
+
+@main.group("export")
+def export_group() -> None:
+    """Export a model for another runtime (ONNX for onnxruntime / onnxruntime-genai)."""
+
+
+@export_group.command("onnx")
+@click.argument("source")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--ctx", "n_ctx", type=click.IntRange(16, None), default=None,
+              help="Positions the graph supports (default: the model's training context, at most 32768).")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="MatMulNBits activation precision: 4 = int8 (onnxruntime's fast CPU path), 1 = fp32.")
+@click.option("--force", is_flag=True, help="Replace an earlier export at OUT_DIR.")
+@click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the export's edgerun.json.")
+def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_json):
+    """Export SOURCE (registry name, .gguf, or Hugging Face checkpoint dir) to an ONNX decoder in OUT_DIR.
+
+    Q4_0/Q8_0 weights (edgerun quantize's output) become MatMulNBits without loss; other types are
+    re-quantized to Q4_0. OUT_DIR then works wherever a model is accepted (--model, --draft).
+    """
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from .onnx_export import export_onnx, read_config
+    from .registry import resolve_model
+
+    src = Path(source) if Path(source).exists() else resolve_model(source, pull=not no_pull)
+    out = export_onnx(src, out_dir, n_ctx=n_ctx, accuracy_level=accuracy_level, force=force,
+                      progress=None if as_json else (lambda msg: click.echo(msg, err=True)))
+    cfg = read_config(out)
+    if as_json:
+        click.echo(json.dumps(asdict(cfg), indent=1))
+        return
+    lossy = [k for k, v in cfg.conversions.items() if not v.endswith("(lossless)")]
+    click.echo(f"wrote {out}: {cfg.architecture}, {cfg.n_layer} layers, vocab {cfg.n_vocab}, n_ctx {cfg.n_ctx}, "
+               f"{cfg.weight_bytes / 1e6:.1f} MB of weights per token; "
+               + ("all weights converted without loss" if not lossy
+                  else f"{len(lossy)} of {len(cfg.conversions)} weight tensors re-quantized"))
