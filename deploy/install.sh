@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# Install edgerun as a systemd service on this board.
+#
+#   sudo deploy/install.sh [--dry-run] [--profile NAME] [--prefix /opt/edgerun] [--source DIR|SPEC]
+#
+# Steps: create a venv under PREFIX; install edgerun's light dependencies and edgerun itself;
+# detect the board (`edgerun service build-flags`, i.e. the device profile); build llama-cpp-python
+# from source with that profile's CMAKE_ARGS (CUDA on Jetson, Metal on Apple, NEON on a Pi);
+# install the rest; write /etc/edgerun/edgerun.env (kept if it exists) and the unit
+# (`edgerun service print`); systemctl daemon-reload, enable and (re)start the service.
+# --dry-run prints every step without doing any of it (nothing is created or changed).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+dry=0
+prefix=/opt/edgerun
+etc_dir=/etc/edgerun
+unit_dir=/etc/systemd/system
+source_spec="$(dirname "$here")"
+profile=auto
+python=python3
+start=1
+root=/
+
+usage() {
+    cat <<EOF
+usage: install.sh [options]
+  --dry-run          print every step, do nothing
+  --profile NAME     device profile (default: auto = detect this board)
+  --prefix DIR       install root; the venv goes to DIR/venv (default /opt/edgerun)
+  --etc-dir DIR      where edgerun.env goes (default /etc/edgerun)
+  --unit-dir DIR     where edgerun.service goes (default /etc/systemd/system)
+  --source SRC       edgerun to install: a source directory (default: this checkout) or a pip
+                     requirement such as 'edgerun[serve]==0.1.0'
+  --python PY        Python (>= 3.10) that creates the venv (default python3)
+  --no-start         enable the service but do not (re)start it now
+  --root DIR         read the board identity files under DIR instead of / (tests)
+EOF
+}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry=1 ;;
+        --profile) profile="${2:?--profile needs a value}"; shift ;;
+        --prefix) prefix="${2:?--prefix needs a value}"; shift ;;
+        --etc-dir) etc_dir="${2:?--etc-dir needs a value}"; shift ;;
+        --unit-dir) unit_dir="${2:?--unit-dir needs a value}"; shift ;;
+        --source) source_spec="${2:?--source needs a value}"; shift ;;
+        --python) python="${2:?--python needs a value}"; shift ;;
+        --no-start) start=0 ;;
+        --root) root="${2:?--root needs a value}"; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "install.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+
+venv="$prefix/venv"
+env_file="$etc_dir/edgerun.env"
+unit_file="$unit_dir/edgerun.service"
+
+say() { printf '==> %s\n' "$*"; }
+# run CMD...: run it, or in a dry run print it (shell-quoted) instead.
+run() {
+    if [ "$dry" = 1 ]; then
+        printf '+'; printf ' %q' "$@"; printf '\n'
+    else
+        "$@"
+    fi
+}
+# write_file DEST MODE: write stdin to DEST atomically (temp file in the same dir + rename),
+# or in a dry run print what would be written.
+write_file() {
+    local dest="$1" mode="$2" tmp
+    if [ "$dry" = 1 ]; then
+        printf '+ write %s (mode %s):\n' "$dest" "$mode"
+        sed 's/^/    | /'
+        return
+    fi
+    tmp="$(mktemp "$dest.XXXXXX")"
+    cat >"$tmp"
+    chmod "$mode" "$tmp"
+    sync "$tmp"
+    mv -f "$tmp" "$dest"
+}
+
+os="$(uname -s)"
+if [ "$dry" = 0 ] && [ "$(id -u)" != 0 ]; then
+    echo "install.sh: run as root (it writes $prefix, $etc_dir and $unit_dir), or use --dry-run" >&2
+    exit 2
+fi
+if ! "$python" -c 'import sys, venv; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    if [ "$dry" = 1 ]; then
+        say "note: $python is not a Python >= 3.10 with the venv module; the real install would stop here"
+    else
+        echo "install.sh: $python must be Python >= 3.10 with the venv module (Debian: apt-get install python3-venv)" >&2
+        exit 2
+    fi
+fi
+
+if [ -d "$source_spec" ]; then
+    [ -f "$source_spec/pyproject.toml" ] || { echo "install.sh: $source_spec has no pyproject.toml" >&2; exit 2; }
+    pkg="$source_spec"
+    pkg_serve="$source_spec[serve]"
+else
+    pkg="$source_spec"
+    pkg_serve="$source_spec"
+fi
+
+# --- 1. the venv and edgerun's light dependencies (enough to detect the board) ------------------
+say "venv in $venv"
+run mkdir -p "$prefix"
+run "$python" -m venv "$venv"
+run "$venv/bin/python" -m pip install --upgrade pip
+run "$venv/bin/python" -m pip install click pyyaml psutil
+run "$venv/bin/python" -m pip install --no-deps "$pkg"
+
+# --- 2. the board and its build flags ------------------------------------------------------------
+# From the device profile (edgerun/data/device_profiles/*.yaml, field build.cmake_args). A dry run
+# has no venv yet: it asks $python with the source tree on PYTHONPATH, and falls back to reading
+# the board files and the profile YAML directly.
+flags_json=""
+if [ "$dry" = 1 ]; then
+    if [ -d "$source_spec" ]; then
+        flags_json="$(PYTHONPATH="$source_spec${PYTHONPATH:+:$PYTHONPATH}" \
+            "$python" -m edgerun service build-flags --profile "$profile" 2>/dev/null)" || flags_json=""
+    fi
+else
+    flags_json="$("$venv/bin/python" -m edgerun service build-flags --profile "$profile")"
+fi
+
+json_field() {   # json_field KEY: a string field of $flags_json ('' if absent)
+    "$python" -c 'import json, sys; v = json.loads(sys.argv[1]).get(sys.argv[2]); print("" if v is None else v)' \
+        "$flags_json" "$1"
+}
+
+build_env=()
+if [ -n "$flags_json" ]; then
+    board="$(json_field profile)"
+    reason="$(json_field reason)"
+    cmake_args="$(json_field cmake_args)"
+    llama_pin="$(json_field llama_cpp_python)"
+    while IFS= read -r kv; do
+        [ -n "$kv" ] && build_env+=("$kv")
+    done < <("$python" -c 'import json, sys; [print(f"{k}={v}") for k, v in json.loads(sys.argv[1])["env"].items()]' "$flags_json")
+else
+    # Fallback without Python packages: the same identity files profile.detect() reads.
+    model_file="$root/proc/device-tree/model"
+    board_model="$( [ -r "$model_file" ] && tr -d '\0' <"$model_file" || true)"
+    if [ "$profile" != auto ]; then
+        board="$profile"; reason="chosen explicitly"
+    elif [ "$os" = Darwin ]; then
+        board=apple-m1; reason="macOS (Apple Silicon); name the exact chip with --profile"
+    elif [ -e "$root/etc/nv_tegra_release" ] || printf '%s' "$board_model" | grep -qi jetson; then
+        board=jetson-orin-nano-8gb; reason="NVIDIA Tegra board; name the exact module with --profile"
+    elif printf '%s' "$board_model" | grep -q "Raspberry Pi 5"; then
+        board=rpi5-8gb; reason="device tree: $board_model"
+    elif printf '%s' "$board_model" | grep -q "Raspberry Pi 4"; then
+        board=rpi4-8gb; reason="device tree: $board_model"
+    else
+        case "$(uname -m)" in
+            aarch64|arm64) board=generic-arm64-cpu ;;
+            *) board=generic-x86_64-cpu ;;
+        esac
+        reason="no board-specific profile matched; generic profile by machine $(uname -m)"
+    fi
+    yaml="$source_spec/edgerun/data/device_profiles/$board.yaml"
+    if [ ! -f "$yaml" ]; then
+        echo "install.sh: no device profile $board ($yaml); expected one of edgerun/data/device_profiles/*.yaml" >&2
+        exit 2
+    fi
+    cmake_args="$(sed -n 's/^  cmake_args: *"\(.*\)"$/\1/p' "$yaml")"
+    llama_pin="$(sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' "$source_spec/pyproject.toml" 2>/dev/null | head -1)"
+    say "note: board detected without edgerun's Python packages (build env of the profile not read)"
+fi
+llama_pin="${llama_pin:-0.3.36}"
+say "board: $board ($reason)"
+say "llama-cpp-python $llama_pin with CMAKE_ARGS='$cmake_args'"
+
+# --- 3. llama-cpp-python built for this board, then the rest of edgerun ---------------------------
+run env "CMAKE_ARGS=$cmake_args" FORCE_CMAKE=1 ${build_env[@]+"${build_env[@]}"} \
+    "$venv/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python \
+    "llama-cpp-python==$llama_pin"
+run "$venv/bin/python" -m pip install "$pkg_serve"
+
+if [ "$os" != Linux ]; then
+    say "installed in $venv; this script sets up systemd services only (not $os):"
+    say "run '$venv/bin/edgerun serve' under your service manager"
+    exit 0
+fi
+
+# --- 4. the environment file (an existing one is kept: it holds the operator's settings) ----------
+run mkdir -p "$etc_dir"
+if [ -e "$env_file" ]; then
+    say "keeping the existing $env_file"
+else
+    sed "s/^EDGERUN_PROFILE=auto$/EDGERUN_PROFILE=$board/" "$here/edgerun.env" | write_file "$env_file" 0600
+fi
+
+# --- 5. the unit (and GPU device access on Jetson) --------------------------------------------------
+run mkdir -p "$unit_dir"
+if [ "$dry" = 1 ]; then
+    unit_text=""
+    if [ -d "$source_spec" ]; then
+        unit_text="$(PYTHONPATH="$source_spec${PYTHONPATH:+:$PYTHONPATH}" "$python" -m edgerun service print \
+            --env-file "$env_file" --exec-start "$venv/bin/edgerun serve" 2>/dev/null)" || unit_text=""
+    fi
+    if [ -n "$unit_text" ]; then
+        printf '%s\n' "$unit_text" | write_file "$unit_file" 0644
+    else
+        say "would write $unit_file from: $venv/bin/edgerun service print --env-file $env_file"
+    fi
+else
+    "$venv/bin/edgerun" service print --env-file "$env_file" | write_file "$unit_file" 0644
+fi
+case "$board" in
+    jetson-*)
+        # DynamicUser gets no groups by default; the Jetson GPU device nodes belong to 'video'
+        # (and 'render'). Name only groups that exist: systemd refuses to start otherwise.
+        gpu_groups=""
+        for g in video render; do
+            if getent group "$g" >/dev/null; then gpu_groups="$gpu_groups $g"; fi
+        done
+        if [ -n "$gpu_groups" ]; then
+            run mkdir -p "$unit_file.d"
+            printf '[Service]\nSupplementaryGroups=%s\n' "${gpu_groups# }" | write_file "$unit_file.d/10-gpu.conf" 0644
+        else
+            say "warning: no 'video' group here; the service may not reach the GPU device nodes"
+        fi
+        ;;
+esac
+
+# --- 6. systemd ------------------------------------------------------------------------------------
+run systemctl daemon-reload
+run systemctl enable edgerun.service
+if [ "$start" = 1 ]; then
+    run systemctl restart edgerun.service
+    say "started; follow it with: journalctl -u edgerun -f   (ready when: curl -s localhost:8080/health)"
+else
+    say "enabled; start it with: systemctl start edgerun"
+fi

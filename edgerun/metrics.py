@@ -1,0 +1,133 @@
+"""Server counters and gauges, rendered in the Prometheus text exposition format (version 0.0.4).
+
+Written by the event loop (request outcomes) and the generation worker (tokens, speculation);
+a lock keeps the two consistent. Rendering needs no client library: the format is plain text.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Upper bounds (seconds) of the time-to-first-token histogram buckets.
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(x: float) -> str:
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    return repr(float(x)) if not float(x).is_integer() else str(int(x))
+
+
+@dataclass
+class GenerationRecord:
+    """What one finished (or cancelled) generation contributes to the metrics."""
+
+    n_prompt_tokens: int
+    n_tokens: int
+    t_decode_s: float          # wall time from the first generated token to the last
+    n_drafted: int
+    n_accepted: int
+    gamma: int | None          # draft length of the last cycle (None: never drafted)
+    ttft_s: float | None       # queue wait + prefill + first token; None when no token came
+    outcome: str               # stop | length | eos | cancelled | timeout | error
+
+
+class Metrics:
+    def __init__(self, model: str = "") -> None:
+        self._lock = threading.Lock()
+        self.model = model
+        self.requests: Counter[tuple[str, int]] = Counter()      # (endpoint, HTTP status) -> count
+        self.generations: Counter[str] = Counter()               # outcome -> count
+        self.prompt_tokens = 0
+        self.tokens = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.decode_seconds = 0.0
+        self.last_tokens_per_s = 0.0
+        self.gamma: int | None = None
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+        self.ttft_n = 0
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, int(status))] += 1
+
+    def record_generation(self, rec: GenerationRecord) -> None:
+        with self._lock:
+            self.generations[rec.outcome] += 1
+            self.prompt_tokens += rec.n_prompt_tokens
+            self.tokens += rec.n_tokens
+            self.drafted += rec.n_drafted
+            self.accepted += rec.n_accepted
+            if rec.n_tokens > 1 and rec.t_decode_s > 0:
+                self.decode_seconds += rec.t_decode_s
+                self.last_tokens_per_s = (rec.n_tokens - 1) / rec.t_decode_s
+            if rec.gamma is not None:
+                self.gamma = rec.gamma
+            if rec.ttft_s is not None:
+                i = next((k for k, b in enumerate(TTFT_BUCKETS) if rec.ttft_s <= b), len(TTFT_BUCKETS))
+                self.ttft_counts[i] += 1
+                self.ttft_sum += rec.ttft_s
+                self.ttft_n += 1
+
+    def observe_gamma(self, gamma: int) -> None:
+        with self._lock:
+            self.gamma = gamma
+
+    def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool) -> str:
+        """The exposition text. Live values (queue, readiness) are passed in by the caller."""
+        with self._lock:
+            out: list[str] = []
+
+            def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+                out.append(f"# HELP {name} {help_}")
+                out.append(f"# TYPE {name} {kind}")
+                for labels, value in samples:
+                    out.append(f"{name}{labels} {_num(value)}")
+
+            metric("edgerun_requests_total", "counter", "HTTP requests answered, by endpoint and status code.",
+                   [(f'{{endpoint="{_escape(e)}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+            metric("edgerun_generations_total", "counter", "Generations run, by how they ended.",
+                   [(f'{{outcome="{_escape(o)}"}}', n) for o, n in sorted(self.generations.items())])
+            metric("edgerun_prompt_tokens_total", "counter", "Prompt tokens processed.", [("", self.prompt_tokens)])
+            metric("edgerun_tokens_generated_total", "counter", "Tokens generated.", [("", self.tokens)])
+            metric("edgerun_draft_tokens_total", "counter", "Tokens proposed by the drafter.", [("", self.drafted)])
+            metric("edgerun_draft_tokens_accepted_total", "counter", "Drafted tokens the target accepted.",
+                   [("", self.accepted)])
+            metric("edgerun_decode_seconds_total", "counter", "Seconds spent decoding after the first token.",
+                   [("", self.decode_seconds)])
+            metric("edgerun_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
+                   [("", self.last_tokens_per_s)])
+            rate = self.accepted / self.drafted if self.drafted else float("nan")
+            metric("edgerun_acceptance_rate", "gauge", "Accepted / drafted tokens since start (NaN before any draft).",
+                   [("", rate)])
+            metric("edgerun_gamma", "gauge", "Draft length of the latest speculative cycle (0: speculation off).",
+                   [("", float(self.gamma or 0))])
+            out.append("# HELP edgerun_time_to_first_token_seconds Queue wait + prefill + first token.")
+            out.append("# TYPE edgerun_time_to_first_token_seconds histogram")
+            cum = 0
+            for bound, n in zip(TTFT_BUCKETS, self.ttft_counts):
+                cum += n
+                out.append(f'edgerun_time_to_first_token_seconds_bucket{{le="{_num(bound)}"}} {cum}')
+            cum += self.ttft_counts[-1]
+            out.append(f'edgerun_time_to_first_token_seconds_bucket{{le="+Inf"}} {cum}')
+            out.append(f"edgerun_time_to_first_token_seconds_sum {_num(self.ttft_sum)}")
+            out.append(f"edgerun_time_to_first_token_seconds_count {self.ttft_n}")
+            metric("edgerun_queue_depth", "gauge", "Requests waiting for the generation worker.", [("", queue_depth)])
+            metric("edgerun_queue_limit", "gauge", "Most requests allowed to wait; more get 503.", [("", queue_limit)])
+            metric("edgerun_busy", "gauge", "1 while a generation runs.", [("", int(busy))])
+            metric("edgerun_ready", "gauge", "1 once the models are loaded.",
+                   [(f'{{model="{_escape(self.model)}"}}', int(ready))])
+            return "\n".join(out) + "\n"

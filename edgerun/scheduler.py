@@ -1,0 +1,329 @@
+"""The generation worker: one thread owns the Runtime and runs jobs from a bounded FIFO queue.
+
+The Runtime is not thread-safe and there is one loaded target, so exactly one generation runs at
+a time. The thread loads the models itself (the HTTP socket is already serving /health meanwhile),
+then takes jobs in arrival order. Each job streams its events (Step records, then one JobResult)
+back to the asyncio event loop that submitted it. A job stops early when it is cancelled (client
+gone), when its deadline passes, or when the server drains for shutdown; stopping closes the
+Runtime's stream, whose `finally` rolls the KV caches back to the committed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .errors import EdgerunError, InvalidArgument
+from .generate import GenStats
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(EdgerunError):
+    """Every queue slot is taken; the caller should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Unavailable(EdgerunError):
+    """The worker cannot take jobs: models still loading, loading failed, or shutting down."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class JobResult:
+    """How a job ended. outcome: stop | eos | length (normal ends), timeout (time limit reached after
+    it started: a normal end too, the text is what was generated), cancelled, shutdown, error."""
+
+    outcome: str
+    n_prompt_tokens: int = 0
+    n_tokens: int = 0
+    max_tokens: int = 0
+    stats: GenStats = field(default_factory=GenStats)
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    error: BaseException | None = None
+    started: bool = False
+    last_gamma: int | None = None      # draft length of the last cycle
+
+    @property
+    def finish_reason(self) -> str:
+        """The OpenAI finish_reason: 'length' also covers the server's time limit."""
+        return {"eos": "stop", "stop": "stop"}.get(self.outcome, "length")
+
+
+class Job:
+    """One generation request. Created and awaited on the event loop; run on the worker thread."""
+
+    def __init__(self, *, prompt: str | None = None, messages: Sequence[dict] | None = None,
+                 prompt_tokens: Sequence[int] | None = None, max_tokens: int | None = None,
+                 stop: Sequence[str] = (), sampling: dict | None = None, timeout_s: float = 300.0) -> None:
+        if sum(x is not None for x in (prompt, messages, prompt_tokens)) != 1:
+            raise ValueError("a Job needs exactly one of prompt, messages and prompt_tokens")
+        self.prompt = prompt
+        self.messages = list(messages) if messages is not None else None
+        self.prompt_tokens = list(prompt_tokens) if prompt_tokens is not None else None
+        self.finished = False                      # set by the event loop once it read the end event
+        self.max_tokens = max_tokens
+        self.stop = tuple(stop)
+        self.sampling = dict(sampling or {})
+        self.created = time.monotonic()
+        self.deadline = self.created + timeout_s
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._stop_reason: str | None = None       # set once: cancelled | shutdown
+        self.deadline_outcome = "timeout"          # how reaching the deadline is reported
+        self._stop_lock = threading.Lock()
+
+    # -- called from any thread ----------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        with self._stop_lock:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def shorten_deadline(self, deadline: float) -> None:
+        self.deadline = min(self.deadline, deadline)
+
+    def _emit(self, kind: str, payload: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:          # the event loop is closed: nobody is listening any more
+            log.debug("dropped %s event of a job whose event loop is closed", kind)
+
+
+class Scheduler:
+    """Owns the worker thread, the Runtime it loads, and the bounded FIFO of waiting jobs."""
+
+    def __init__(self, load: Callable[[], Any], *, queue_limit: int = 8,
+                 on_ready: Callable[[Any], None] | None = None,
+                 on_load_error: Callable[[BaseException], None] | None = None,
+                 on_result: Callable[[JobResult], None] | None = None) -> None:
+        if not isinstance(queue_limit, int) or queue_limit < 0:
+            raise ValueError(f"queue_limit must be an integer >= 0, got {queue_limit!r}")
+        self.queue_limit = queue_limit
+        self._load = load
+        self._on_ready = on_ready
+        self._on_load_error = on_load_error
+        self._on_result = on_result
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._draining = False
+        self._stopping = False
+        self._step_started: float | None = None    # monotonic time the current blocking step began
+        self._mean_job_s = 5.0                      # running mean of job durations, for Retry-After
+        self.runtime: Any = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="edgerun-worker", daemon=True)
+
+    # -- state seen by the event loop ----------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    @property
+    def running(self) -> Job | None:
+        return self._running
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def stuck_for(self) -> float:
+        """Seconds the worker has been inside one blocking step (0 when idle)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def retry_after(self) -> int:
+        """A guess at when a slot frees: the mean job time times the jobs ahead, 1..120 s."""
+        ahead = len(self._waiting) + (1 if self._running is not None else 0)
+        return int(min(120, max(1, math.ceil(self._mean_job_s * max(ahead, 1)))))
+
+    # -- control -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (FIFO). Raises QueueFull or Unavailable instead of waiting."""
+        with self._cond:
+            if self._draining or self._stopping:
+                raise Unavailable("the server is shutting down and takes no new requests")
+            if self.load_error is not None:
+                raise Unavailable(f"the model failed to load: {self.load_error}")
+            if not self.ready.is_set():
+                raise Unavailable("the model is still loading; retry shortly", retry_after=5)
+            if len(self._waiting) >= self.queue_limit and (self._running is not None or self._waiting):
+                raise QueueFull(f"all {self.queue_limit} queue slots are taken and a generation is running; "
+                                f"retry later", self.retry_after())
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """Stop a job: a waiting one leaves the queue at once, a running one stops after its current step."""
+        job.request_stop(reason)
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return                      # running or already finished: the worker sees the flag
+        self._end_unstarted(job, reason)
+
+    def expire(self, job: Job) -> bool:
+        """End a job whose deadline passed while it waited in the queue. False if it is not waiting."""
+        with self._cond:
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return False
+        job.request_stop("timeout")
+        self._end_unstarted(job, "timeout")
+        return True
+
+    def drain(self, grace_s: float) -> None:
+        """Shutdown, first half: refuse new jobs, end the waiting ones, give the running one grace_s."""
+        with self._cond:
+            self._draining = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            running = self._running
+        for job in waiting:
+            job.request_stop("shutdown")
+            self._end_unstarted(job, "shutdown")
+        if running is not None:
+            running.deadline_outcome = "shutdown"
+            running.shorten_deadline(time.monotonic() + grace_s)
+
+    def _end_unstarted(self, job: Job, outcome: str) -> None:
+        res = JobResult(outcome=outcome, queue_wait_s=time.monotonic() - job.created)
+        if self._on_result is not None:
+            self._on_result(res)
+        job._emit("end", res)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shutdown, second half: end the worker (it closes the Runtime) and wait for it."""
+        self.drain(0.0)
+        with self._cond:
+            self._stopping = True
+            running = self._running
+            self._cond.notify_all()
+        if running is not None:
+            running.request_stop("shutdown")
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("the generation worker did not stop within %.0f s", timeout)
+
+    # -- the worker thread ---------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            runtime = self._load()
+        except Exception as exc:          # report every load failure: the server must not hang unready
+            self.load_error = exc
+            log.error("loading the model failed: %s", exc, exc_info=not isinstance(exc, EdgerunError))
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
+            return
+        if self._stopping:
+            runtime.close()
+            return
+        self.runtime = runtime
+        self.ready.set()
+        if self._on_ready is not None:
+            self._on_ready(runtime)
+        try:
+            while True:
+                with self._cond:
+                    while not self._waiting and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    job = self._waiting.popleft()
+                    self._running = job
+                t0 = time.monotonic()
+                try:
+                    result = self._run(runtime, job)
+                finally:
+                    with self._cond:
+                        self._running = None
+                if result.started:
+                    self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
+                if self._on_result is not None:
+                    self._on_result(result)
+                job._emit("end", result)
+        finally:
+            self.runtime = None
+            runtime.close()
+
+    def _run(self, runtime: Any, job: Job) -> JobResult:
+        now = time.monotonic()
+        res = JobResult(outcome="length", queue_wait_s=now - job.created)
+        if job.stop_reason is not None:
+            res.outcome = job.stop_reason
+            return res
+        if now >= job.deadline:
+            res.outcome = "timeout"
+            return res
+        stream = None
+        try:
+            self._step_started = now
+            if job.messages is not None:
+                prompt_tokens = runtime.tokenizer.chat_prompt_tokens(job.messages)
+            elif job.prompt_tokens is not None:
+                prompt_tokens = job.prompt_tokens
+                n_vocab = runtime.tokenizer.n_vocab
+                bad = next((t for t in prompt_tokens if not 0 <= t < n_vocab), None)
+                if bad is not None:
+                    raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
+            else:
+                prompt_tokens = runtime.tokenize(job.prompt)
+            res.n_prompt_tokens = len(prompt_tokens)
+            room = runtime.n_ctx - len(prompt_tokens)
+            res.max_tokens = max(0, room if job.max_tokens is None else min(job.max_tokens, room))
+            stream = runtime.stream_tokens(prompt_tokens, max_tokens=res.max_tokens, stop=job.stop,
+                                           stats=res.stats, **job.sampling)
+            res.started = True
+            for step in stream:
+                self._step_started = time.monotonic()
+                if res.ttft_s is None:
+                    res.ttft_s = self._step_started - job.created
+                res.last_gamma = step.gamma
+                job._emit("step", step)
+                if job.stop_reason is not None:
+                    res.outcome = job.stop_reason
+                    break
+                if self._step_started >= job.deadline:
+                    res.outcome = job.deadline_outcome
+                    break
+            else:
+                res.outcome = res.stats.finish_reason or "length"
+        except EdgerunError as exc:
+            res.outcome, res.error = "error", exc
+        except Exception as exc:          # a bug or an engine failure: report it, keep serving
+            log.exception("generation failed")
+            res.outcome, res.error = "error", exc
+        finally:
+            self._step_started = None
+            if stream is not None:
+                stream.close()               # the decode loop's finally rolls the caches back
+        res.n_tokens = res.stats.n_tokens
+        return res

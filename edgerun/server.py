@@ -1,0 +1,837 @@
+"""OpenAI-compatible HTTP server used by `edgerun serve` (FastAPI + uvicorn).
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as
+server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health (200 only once the
+models are loaded), GET /metrics (Prometheus text).
+
+Generation runs on one worker thread fed by a bounded FIFO queue (edgerun.scheduler). The socket
+is bound first and the models load in the background, so /health answers 503 meanwhile; systemd
+hears READY=1 once they are loaded. A client that disconnects cancels its generation; every
+request has a server-side time limit; SIGTERM drains (no new work, the running stream gets a grace
+period) and the process exits 0. Errors are OpenAI-shaped JSON: {"error": {message, type, param, code}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import re
+import secrets
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import ContextOverflow, EdgerunError, InvalidArgument, ModelNotFound
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import GenerationRecord, Metrics
+from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
+from . import service
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `edgerun serve` was asked to run. Every field has an EDGERUN_* twin in the CLI."""
+
+    model: str = "smollm2-135m-instruct"
+    draft: str | None = "auto"
+    profile: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    queue: int = 8                       # requests allowed to wait behind the running one
+    timeout_s: float = 300.0             # per-request limit: queue wait + generation
+    max_body_bytes: int = 1 * MiB
+    shutdown_grace_s: float = 10.0       # SIGTERM: how long the running generation may continue
+    n_ctx: int | None = None
+    n_threads: int | None = None
+    gamma: int | str | None = None       # None/'auto': the tuner decides
+    pull: bool = True                    # pull a registry model that is not cached yet
+    load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
+        if not isinstance(self.queue, int) or self.queue < 0:
+            raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
+        if not self.timeout_s > 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
+        if not self.shutdown_grace_s >= 0:
+            raise InvalidArgument(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s!r}")
+        if self.api_key is not None and not self.api_key:
+            raise InvalidArgument("api_key must not be empty (leave it unset to disable authentication)")
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON. Raised inside request handling only."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_FAILED = ("error", "shutdown", "cancelled")     # job outcomes that are answered with an error
+
+
+def _error_from_result(res: JobResult, timeout_s: float, chat: bool) -> APIError:
+    """The HTTP error for a job that produced nothing usable."""
+    if res.outcome == "error":
+        exc = res.error
+        if isinstance(exc, ContextOverflow):
+            return APIError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded")
+        if isinstance(exc, InvalidArgument):
+            return APIError(400, str(exc), code="invalid_value")
+        if isinstance(exc, EdgerunError):
+            return APIError(500, str(exc), type="server_error", code=type(exc).__name__)
+        return APIError(500, "internal error during generation (logged on the server)", type="server_error",
+                        code="internal_error")
+    if res.outcome == "shutdown":
+        return APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                        headers={"Retry-After": "5"})
+    if res.outcome == "timeout":
+        return APIError(503, f"the request waited its whole time limit ({timeout_s:g} s) in the queue",
+                        type="server_error", code="queue_timeout", headers={"Retry-After": "5"})
+    return APIError(499, "the client closed the request", code="cancelled")
+
+
+# --- request bodies ------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    """Strict types (no '1' for 1), unknown fields ignored as OpenAI clients send extras."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None              # llama.cpp-server extensions, honoured when given
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    # accepted only at their no-op values (checked in _reject_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    logit_bias: Any = None
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+
+
+class CompletionRequest(Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-\w+|.*\[.*\]|[A-Z]\w*)$")
+
+
+def _param_of(loc: tuple) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p))]
+    return ".".join(parts)
+
+
+def _validate(model_cls, data: Any):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param_of(tuple(err.get("loc", ())))
+        where = f" at '{param}'" if param else ""
+        raise APIError(422, f"invalid request body{where}: {err.get('msg', 'wrong type')}"
+                            f" (got {_short(err.get('input'))})", param=param or None, code="invalid_type") from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _reject_unsupported(req) -> None:
+    def no(param: str, why: str) -> APIError:
+        return APIError(400, f"'{param}' {why} is not supported by edgerun", param=param, code="unsupported_parameter")
+
+    if req.n not in (None, 1):
+        raise no("n", f"= {req.n} (one choice per request)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v not in (None, 0, 0.0):
+            raise no(name, "other than 0 (use repeat_penalty)")
+    if req.logprobs not in (None, False, 0):
+        raise no("logprobs", "")
+    if req.logit_bias not in (None, {}):
+        raise no("logit_bias", "")
+    for name in ("top_logprobs", "tools", "tool_choice", "functions"):
+        if getattr(req, name, None) not in (None, [], 0, "none"):
+            raise no(name, "")
+    rf = getattr(req, "response_format", None)
+    if rf not in (None, {"type": "text"}):
+        raise no("response_format", "other than {'type': 'text'}")
+    if getattr(req, "echo", False):
+        raise no("echo", "= true")
+    if getattr(req, "suffix", None):
+        raise no("suffix", "")
+    if getattr(req, "best_of", None) not in (None, 1):
+        raise no("best_of", "other than 1")
+
+
+def _sampling_from(req) -> dict:
+    """The sampling options a request set explicitly (the rest keep the runtime's defaults)."""
+    def bad(param: str, expected: str, value) -> APIError:
+        return APIError(400, f"'{param}' must be {expected}, got {value!r}", param=param, code="invalid_value")
+
+    out: dict = {}
+    t = req.temperature
+    if t is not None:
+        if not (math.isfinite(t) and 0 <= t <= 100):
+            raise bad("temperature", "a number in [0, 100] (0 = greedy)", t)
+        out["temperature"] = float(t)
+    if req.top_p is not None:
+        if not 0 < req.top_p <= 1:
+            raise bad("top_p", "in (0, 1]", req.top_p)
+        out["top_p"] = float(req.top_p)
+    if req.top_k is not None:
+        if req.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 disables it)", req.top_k)
+        out["top_k"] = req.top_k
+    if req.min_p is not None:
+        if not 0 <= req.min_p < 1:
+            raise bad("min_p", "in [0, 1)", req.min_p)
+        out["min_p"] = float(req.min_p)
+    if req.repeat_penalty is not None:
+        if not (math.isfinite(req.repeat_penalty) and req.repeat_penalty > 0):
+            raise bad("repeat_penalty", "a number > 0 (1 disables it)", req.repeat_penalty)
+        out["repeat_penalty"] = float(req.repeat_penalty)
+    if req.seed is not None:
+        out["seed"] = req.seed & (2 ** 64 - 1)      # OpenAI seeds are int64; numpy wants >= 0
+    return out
+
+
+def _stop_from(req) -> tuple[str, ...]:
+    stop = req.stop
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                       param="stop", code="invalid_value")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"each 'stop' string may be at most {MAX_STOP_CHARS} characters",
+                           param="stop", code="invalid_value")
+    return tuple(s for s in stops if s)
+
+
+def _max_tokens_from(value: int | None, param: str) -> int | None:
+    if value is None:
+        return None
+    if value < 1:
+        raise APIError(400, f"'{param}' must be an integer >= 1, got {value}", param=param, code="invalid_value")
+    return value
+
+
+# --- the application -----------------------------------------------------------------------------
+
+class _State:
+    """Everything the handlers share. Lives on app.state.edgerun."""
+
+    def __init__(self, config: ServerConfig, load: Callable[[], Any], request_exit: Callable[[], None]) -> None:
+        self.config = config
+        self.metrics = Metrics(model=config.model)
+        self.request_exit = request_exit
+        self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
+                                   on_load_error=self._on_load_error, on_result=self._on_result)
+        self.model_names: set[str] = {config.model}
+        if "/" in config.model or config.model.endswith(".gguf"):
+            self.model_names.add(Path(config.model).name)
+            self.model_names.add(Path(config.model).stem)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.created = int(time.time())
+
+    @property
+    def model_id(self) -> str:
+        return self.config.model
+
+    # worker-thread callbacks
+    def _on_ready(self, runtime) -> None:
+        log.info("model %s loaded (drafter: %s); ready", self.config.model, getattr(runtime, "draft_name", None))
+        if runtime.drafter is None:
+            self.metrics.observe_gamma(0)
+        service.notify("READY=1", f"STATUS=serving {self.config.model} on {self.config.host}:{self.config.port}")
+
+    def _on_load_error(self, exc: BaseException) -> None:
+        service.notify(f"STATUS=failed to load the model: {exc}")
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.request_exit)
+
+    def _on_result(self, res: JobResult) -> None:
+        st = res.stats
+        self.metrics.record_generation(GenerationRecord(
+            n_prompt_tokens=res.n_prompt_tokens, n_tokens=res.n_tokens,
+            t_decode_s=max(0.0, st.t_total_s - st.t_prefill_s), n_drafted=st.n_drafted,
+            n_accepted=st.n_accepted, gamma=res.last_gamma, ttft_s=res.ttft_s, outcome=res.outcome))
+
+    # event-loop side
+    def begin_drain(self) -> None:
+        if not self.scheduler.draining:
+            log.info("shutting down: no new requests; the running one has %.0f s to finish",
+                     self.config.shutdown_grace_s)
+            service.notify("STOPPING=1", "STATUS=shutting down")
+        self.scheduler.drain(self.config.shutdown_grace_s)
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_id!r}",
+                           param="model", code="model_not_found")
+
+
+def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
+               request_exit: Callable[[], None] | None = None):
+    """The ASGI app. `load` returns a Runtime (default: edgerun.runtime.load with the config's options);
+    `request_exit` stops the HTTP server (called when loading fails)."""
+    load = load or _default_loader(config)
+    state = _State(config, load, request_exit or (lambda: None))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.loop = asyncio.get_running_loop()
+        service.notify(f"STATUS=loading {config.model}")
+        state.scheduler.start()
+        watchdog = asyncio.create_task(_watchdog(state))
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await asyncio.to_thread(state.scheduler.stop, 30.0)
+
+    app = FastAPI(title="edgerun", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.edgerun = state
+
+    # -- error shapes ------------------------------------------------------------------------
+    def error_response(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       code=code, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(APIError(500, "internal server error (logged on the server)", type="server_error",
+                                       code="internal_error"))
+
+    # -- auth and per-endpoint counts (plain ASGI: keeps streaming and disconnects untouched) --
+    app.add_middleware(_Gate, state=state)
+
+    # -- plain endpoints ---------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        sch = state.scheduler
+        if sch.draining:
+            body, status = {"status": "shutting_down"}, 503
+        elif sch.load_error is not None:
+            body, status = {"status": "error", "error": str(sch.load_error)}, 503
+        elif not sch.ready.is_set():
+            body, status = {"status": "loading", "model": state.model_id}, 503
+        else:
+            body, status = {"status": "ok", "model": state.model_id, "queue_depth": sch.depth, "busy": sch.busy}, 200
+        headers = {"Retry-After": "5"} if status == 503 else {}
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.get("/metrics")
+    async def metrics():
+        sch = state.scheduler
+        text = state.metrics.render(queue_depth=sch.depth, queue_limit=sch.queue_limit, busy=sch.busy,
+                                    ready=sch.ready.is_set() and not sch.draining)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        _require_ready(state)
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
+                                            "owned_by": "edgerun"}]}
+
+    # -- generation --------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = _validate(ChatRequest, await _read_json(request, config.max_body_bytes))
+        _require_ready(state)
+        state.check_model(req.model)
+        _reject_unsupported(req)
+        if not req.messages:
+            raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m.content)}
+                    for m in req.messages]
+        mt = _max_tokens_from(req.max_tokens, "max_tokens")
+        if req.max_completion_tokens is not None:
+            mt = _max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
+        job = Job(messages=messages, max_tokens=mt, stop=_stop_from(req), sampling=_sampling_from(req),
+                  timeout_s=config.timeout_s)
+        return await _respond(state, request, req, job, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = _validate(CompletionRequest, await _read_json(request, config.max_body_bytes))
+        _require_ready(state)
+        state.check_model(req.model)
+        _reject_unsupported(req)
+        prompt = req.prompt
+        tokens = None
+        if isinstance(prompt, list):
+            if not prompt:
+                raise APIError(400, "'prompt' must not be an empty list", param="prompt", code="invalid_value")
+            if all(isinstance(x, int) for x in prompt):
+                tokens, prompt = list(prompt), None
+            elif len(prompt) == 1:
+                prompt = prompt[0]
+            else:
+                raise APIError(400, f"'prompt' must be one string or one list of token ids; batches of "
+                                    f"{len(prompt)} prompts are not supported", param="prompt",
+                               code="unsupported_parameter")
+        job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=_max_tokens_from(req.max_tokens, "max_tokens"),
+                  stop=_stop_from(req), sampling=_sampling_from(req), timeout_s=config.timeout_s)
+        return await _respond(state, request, req, job, chat=False)
+
+    async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool):
+        try:
+            state.scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(503, str(e), type="server_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except Unavailable as e:
+            raise APIError(503, str(e), type="server_error", code="unavailable",
+                           headers={"Retry-After": str(e.retry_after or 5)}) from None
+        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, state.scheduler, job))
+        handed_over = False
+        try:
+            first = await _next_event(state, job)
+            if first[0] == "end" and (not first[1].started or first[1].outcome in _FAILED):
+                raise _error_from_result(first[1], config.timeout_s, chat)   # nothing sent yet: a plain error
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                handed_over = True            # _sse now owns the job and the disconnect watcher
+                return StreamingResponse(
+                    _sse(state, job, first, watcher, ident=ident, chat=chat, include_usage=include_usage),
+                    media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            texts: list[str] = []
+            event = first
+            while event[0] == "step":
+                texts.append(event[1].text)
+                event = await _next_event(state, job)
+            res: JobResult = event[1]
+            if res.outcome in _FAILED:
+                raise _error_from_result(res, config.timeout_s, chat)
+            return _full_response(state, ident, chat, "".join(texts), res)
+        finally:
+            if not handed_over:
+                watcher.cancel()
+                if not job.finished:
+                    state.scheduler.cancel(job)
+
+    return app
+
+
+class _Gate:
+    """ASGI middleware: refuses requests without the API key (401) and counts answers by endpoint."""
+
+    KNOWN = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+    def __init__(self, app, state: _State) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in self.KNOWN else "other"
+        metrics = self.state.metrics
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                metrics.count_request(endpoint, message["status"])
+            await send(message)
+
+        key = self.state.config.api_key
+        if key is not None and path != "/health" and not _authorized(scope, key):
+            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await JSONResponse(err.body(), status_code=401, headers=err.headers)(scope, receive, counting_send)
+            return
+        await self.app(scope, receive, counting_send)
+
+
+def _content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+def _require_ready(state: _State) -> None:
+    sch = state.scheduler
+    if sch.draining:
+        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                       headers={"Retry-After": "5"})
+    if sch.load_error is not None:
+        raise APIError(503, f"the model failed to load: {sch.load_error}", type="server_error",
+                       code="model_load_failed")
+    if not sch.ready.is_set():
+        raise APIError(503, f"the model {state.model_id} is still loading; retry shortly", type="server_error",
+                       code="model_loading", headers={"Retry-After": "5"})
+
+
+def _authorized(scope, key: str) -> bool:
+    header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer":
+        token = b""
+    return hmac.compare_digest(token.strip(), key.encode("utf-8"))
+
+
+async def _read_json(request, limit: int) -> Any:
+    """The request body parsed as JSON, refusing bodies over `limit` bytes (413) and bad JSON (400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"Content-Length {declared!r} is not a number", code="invalid_request")
+        if int(declared) > limit:
+            raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}",
+                           code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constants)
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not UTF-8 text", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
+    """The job's next event. A job still queued at its deadline leaves the queue (503); a running one
+    is stopped by the worker at its next step; one stuck longer than the deadline + slack gets 504."""
+    slack = 60.0 + state.config.shutdown_grace_s
+    while True:
+        now = time.monotonic()
+        timeout = job.deadline - now + 0.01 if now < job.deadline else job.deadline + slack - now
+        if timeout <= 0:
+            state.scheduler.cancel(job, "timeout")
+            raise APIError(504, "generation stalled past the request's time limit", type="server_error",
+                           code="timeout")
+        try:
+            event = await asyncio.wait_for(job.events.get(), timeout=timeout)
+        except asyncio.TimeoutError:
+            state.scheduler.expire(job)      # queued past the deadline: its end event follows
+            continue
+        if event[0] == "end":
+            job.finished = True
+        return event
+
+
+async def _cancel_on_disconnect(request, scheduler: Scheduler, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is read, so the next message is a disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            log.info("client disconnected; cancelling its generation")
+            scheduler.cancel(job)
+            return
+
+
+def _edgerun_field(state: _State, res: JobResult) -> dict:
+    st = res.stats
+    return {
+        "finish": res.outcome if res.outcome != "timeout" else "time_limit",
+        "max_tokens": res.max_tokens,
+        "queue_wait_s": round(res.queue_wait_s, 6),
+        "ttft_s": None if res.ttft_s is None else round(res.ttft_s, 6),
+        "t_prefill_s": round(st.t_prefill_s, 6),
+        "t_total_s": round(st.t_total_s, 6),
+        "tokens_per_s": round(st.tokens_per_s, 3),
+        "drafter": getattr(state.scheduler.runtime, "draft_name", None),
+        "n_cycles": st.n_cycles,
+        "n_drafted": st.n_drafted,
+        "n_accepted": st.n_accepted,
+        "acceptance_rate": round(st.acceptance_rate, 6),
+        "mean_accepted_per_cycle": round(st.mean_accepted_per_cycle, 6),
+        "gamma_mean": round(st.gamma_mean, 6),
+        "accept_histogram": list(st.accept_histogram),
+    }
+
+
+def _usage(res: JobResult) -> dict:
+    return {"prompt_tokens": res.n_prompt_tokens, "completion_tokens": res.n_tokens,
+            "total_tokens": res.n_prompt_tokens + res.n_tokens}
+
+
+def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobResult) -> dict:
+    base = {"id": ident, "created": int(time.time()), "model": state.model_id, "system_fingerprint": None}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": res.finish_reason}
+        return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res),
+                "edgerun": _edgerun_field(state, res)}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
+    return {**base, "object": "text_completion", "choices": [choice], "usage": _usage(res),
+            "edgerun": _edgerun_field(state, res)}
+
+
+def _sse_data(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio.Task, *, ident: str,
+               chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events of one generation. The watcher cancels the job as soon as the client goes
+    away, even while this generator is suspended; closing the generator cancels it too."""
+    created = int(time.time())
+    base = {"id": ident, "created": created, "model": state.model_id, "system_fingerprint": None}
+
+    def chunk(text: str | None, finish: str | None, **extra) -> dict:
+        if chat:
+            delta = {} if text is None else {"content": text}
+            return {**base, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+        return {**base, "object": "text_completion",
+                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}], **extra}
+
+    try:
+        if chat:
+            yield _sse_data({**base, "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+        event = first
+        while event[0] == "step":
+            if event[1].text:
+                yield _sse_data(chunk(event[1].text, None))
+            try:
+                event = await _next_event(state, job)
+            except APIError as err:
+                yield _sse_data(err.body())
+                yield b"data: [DONE]\n\n"
+                return
+        res: JobResult = event[1]
+        if res.outcome in _FAILED:
+            yield _sse_data(_error_from_result(res, state.config.timeout_s, chat).body())
+        else:
+            yield _sse_data(chunk(None, res.finish_reason, edgerun=_edgerun_field(state, res)))
+            if include_usage:
+                usage_chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
+                               "choices": [], "usage": _usage(res)}
+                yield _sse_data(usage_chunk)
+        yield b"data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        if not job.finished:
+            state.scheduler.cancel(job)
+
+
+async def _watchdog(state: _State) -> None:
+    """WATCHDOG=1 at half of WatchdogSec while the event loop runs and the worker is not stuck in one
+    step longer than the request time limit (+60 s); a stuck worker lets systemd restart the service."""
+    interval = service.watchdog_interval()
+    if interval is None:
+        return
+    limit = state.config.timeout_s + 60.0
+    while True:
+        stuck = state.scheduler.stuck_for()
+        if stuck <= limit:
+            service.notify("WATCHDOG=1")
+        else:
+            log.error("the generation worker has been inside one step for %.0f s; withholding the watchdog "
+                      "ping so systemd restarts the service", stuck)
+        await asyncio.sleep(interval)
+
+
+# --- running it ----------------------------------------------------------------------------------
+
+def _default_loader(config: ServerConfig) -> Callable[[], Any]:
+    def load():
+        from .runtime import load as load_runtime
+
+        opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
+                if v is not None}
+        opts.update(config.load_opts)
+        return load_runtime(config.model, draft=config.draft, profile=config.profile, pull=config.pull, **opts)
+    return load
+
+
+def precheck(config: ServerConfig) -> None:
+    """Fail before binding the socket when a model name can never resolve (typo, missing file).
+
+    A registry model that is not cached yet passes: it is pulled after the socket is bound."""
+    from .registry import get_manifest, resolve_model
+
+    for spec in (config.model, config.draft):
+        if spec in (None, "auto", "none", "lookup"):
+            continue
+        try:
+            resolve_model(spec, pull=False)
+        except ModelNotFound as first:
+            try:
+                get_manifest(spec)
+            except ModelNotFound:
+                raise first from None
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn's server with a signal handler that drains edgerun's queue and exits 0.
+
+    uvicorn's own handler re-raises SIGTERM after a graceful shutdown, which would end the
+    process by the signal (exit status 143) instead of the clean exit 0 systemd expects."""
+
+    on_signal: Callable[[], None] = staticmethod(lambda: None)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True          # a second Ctrl+C: stop waiting for connections
+        else:
+            self.should_exit = True
+        self.on_signal()
+
+
+class BindError(EdgerunError):
+    """The HTTP socket could not be bound (address in use, not a local address, port < 1024 without rights)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port). Bound before the models load."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BindError(f"cannot resolve the host {host!r}: {e.strerror}; expected an IP address or a "
+                        f"resolvable name such as 127.0.0.1") from None
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise BindError(f"cannot listen on {host}:{port}: {e.strerror}; is another server using the port? "
+                        f"(choose another with --port)") from None
+    return sock
+
+
+def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_level: str = "info") -> None:
+    """Run the server until SIGTERM/SIGINT, then return (exit 0). Raises the load error (an EdgerunError)
+    if the model fails to load, BindError if the socket cannot be bound."""
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    holder: dict = {}
+    app = create_app(config, load=load, request_exit=lambda: setattr(holder["server"], "should_exit", True))
+    state: _State = app.state.edgerun
+    uv_config = uvicorn.Config(app, host=config.host, port=port, log_config=None, log_level=log_level,
+                               access_log=False, lifespan="on", proxy_headers=False, server_header=False,
+                               timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
+                               limit_concurrency=max(64, 4 * (config.queue + 1)))
+    server = _UvicornServer(uv_config)
+    holder["server"] = server
+
+    def on_signal() -> None:
+        loop = state.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(state.begin_drain)
+
+    server.on_signal = on_signal
+    if not _is_loopback(host) and config.api_key is None:
+        log.warning("listening on %s without an API key: anyone who can reach this port can use the model", host)
+    log.info("listening on http://%s:%d (model %s loads in the background)",
+             f"[{host}]" if ":" in host else host, port, config.model)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    err = state.scheduler.load_error
+    if err is not None:
+        if isinstance(err, EdgerunError):
+            raise err
+        raise EdgerunError(f"the model failed to load: {err}") from err
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,468 @@
+"""`edgerun serve` over real HTTP: the server (uvicorn) on a loopback port with a tiny GGUF, driven by
+httpx and by the official openai client: chat, completions, streaming, stop strings, the bad-input
+suite; then queueing, cancellation and time limits on an in-process server whose real Runtime can be
+held at a gate."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from edgerun.runtime import load
+from edgerun.server import ServerConfig
+from server_harness import (TINY_ARGS, GatedRuntime, InProcessServer, ServerProcess, clean_env, sse_events,
+                            wait_until)
+
+KEY = "sk-edgerun-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CTX = 256
+MSGS = [{"role": "user", "content": "Hello there"}]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+# --- the server as users run it: a subprocess -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--api-key", KEY, "--max-body", "64", "--queue", "4"],
+                        env=clean_env(tmp_path_factory.mktemp("home")))
+    srv.wait_ready()
+    yield srv
+    assert srv.terminate() == 0, srv.output
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama) -> str:
+    return str(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def assert_error(r: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == ERROR_KEYS, err
+    assert isinstance(err["message"], str) and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def stream_events(client: httpx.Client, path: str, body: dict) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def streamed_text(chunks: list, chat: bool) -> str:
+    if chat:
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def test_health_is_open_and_the_api_needs_the_key(server, http, model):
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    r = httpx.get(server.url + "/v1/models")
+    assert_error(r, 401, "invalid_api_key")
+    assert r.headers["www-authenticate"] == "Bearer"
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == [model]
+
+
+def test_chat_completion_shape(http, model):
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "max_tokens": 12, "temperature": 0,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == model
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 5 and 0 <= usage["completion_tokens"] <= 12
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == 12
+    ext = body["edgerun"]
+    assert ext["finish"] in ("eos", "stop", "length") and ext["max_tokens"] == 12
+    for key in ("tokens_per_s", "acceptance_rate", "accept_histogram", "gamma_mean", "queue_wait_s", "t_prefill_s"):
+        assert key in ext
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completion"])
+def test_stream_carries_the_same_text_as_the_plain_response(http, model, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": model, "max_tokens": 16, "temperature": 0,
+            **({"messages": MSGS} if chat else {"prompt": "the water is"})}
+    full = http.post(path, json=body).json()
+    chunks = stream_events(http, path, {**body, "stream_options": {"include_usage": True}})
+    ident = {c["id"] for c in chunks}
+    assert len(ident) == 1 and ident.pop().startswith("chatcmpl-" if chat else "cmpl-")
+    if chat:
+        assert chunks[0]["object"] == "chat.completion.chunk"
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    full_text = full["choices"][0]["message"]["content"] if chat else full["choices"][0]["text"]
+    assert streamed_text(chunks, chat) == full_text
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
+    assert finals[0]["edgerun"]["finish"] == full["edgerun"]["finish"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+
+
+def _pick_stop(text: str) -> str:
+    for i in range(1, len(text) - 1):
+        s = text[i:i + 2]
+        if "\ufffd" not in s and s.strip():
+            return s
+    raise AssertionError(f"no printable two-character stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_stop_strings_cut_the_text(http, model, stream):
+    body = {"model": model, "prompt": "the cat sat on", "max_tokens": 24, "temperature": 0}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = _pick_stop(full)
+    expected = full[:full.index(stop)]
+    body = {**body, "stop": ["never-appears-9", stop]}
+    if stream:
+        chunks = stream_events(http, "/v1/completions", body)
+        text = streamed_text(chunks, chat=False)
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+        assert finish == ["stop"]
+    else:
+        r = http.post("/v1/completions", json=body).json()
+        text = r["choices"][0]["text"]
+        assert r["choices"][0]["finish_reason"] == "stop" and r["edgerun"]["finish"] == "stop"
+    assert text == expected and stop not in text
+
+
+def test_token_id_prompt(http, model):
+    r = http.post("/v1/completions", json={"model": model, "prompt": [116, 104, 101], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 3
+
+
+def test_official_openai_client(oai, model):
+    c = oai.chat.completions.create(model=model, messages=MSGS, max_tokens=8, temperature=0, seed=7)
+    assert isinstance(c.choices[0].message.content, str) and c.usage.completion_tokens <= 8
+    assert c.choices[0].finish_reason in ("stop", "length")
+    assert c.model_extra["edgerun"]["max_tokens"] == 8
+    pieces = [ch.choices[0].delta.content or "" for ch in
+              oai.chat.completions.create(model=model, messages=MSGS, max_tokens=8, temperature=0, stream=True)
+              if ch.choices]
+    assert "".join(pieces) == c.choices[0].message.content
+
+    t = oai.completions.create(model=model, prompt="the cat", max_tokens=10, temperature=0, top_p=0.9)
+    assert isinstance(t.choices[0].text, str) and t.usage.prompt_tokens > 0
+    pieces = [ch.choices[0].text for ch in
+              oai.completions.create(model=model, prompt="the cat", max_tokens=10, temperature=0, top_p=0.9,
+                                     stream=True) if ch.choices]
+    assert "".join(pieces) == t.choices[0].text
+    assert oai.models.list().data[0].id == model
+
+
+def test_official_openai_client_errors(server, oai, model):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4o", messages=MSGS, max_tokens=4)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 400}], max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt="hi", max_tokens=-1)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(openai.APIError):         # an error inside a stream surfaces as an exception too
+        list(oai.completions.create(model=model, prompt="x " * 400, max_tokens=4, stream=True))
+
+
+# --- the bad-input suite: each gets its status and an OpenAI-style error; the server keeps serving -
+
+CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+
+BAD_INPUTS = [
+    # id, path, body (a dict is merged into a valid body; None deletes a key; bytes are sent raw), status, code, param
+    ("malformed-json", CHAT, b'{"model": "m", "messages": [', 400, "invalid_json", None),
+    ("not-utf8", CHAT, b'\xff\xfe{"model": 1}', 400, "invalid_json", None),
+    ("nan-literal", COMPL, "NaN", 400, "invalid_json", None),
+    ("json-array", CHAT, b"[1, 2]", 422, "invalid_type", None),
+    ("missing-model", CHAT, {"model": None}, 422, "invalid_type", "model"),
+    ("missing-messages", CHAT, {"messages": None}, 422, "invalid_type", "messages"),
+    ("max-tokens-string", CHAT, {"max_tokens": "10"}, 422, "invalid_type", "max_tokens"),
+    ("max-tokens-float", CHAT, {"max_tokens": 10.5}, 422, "invalid_type", "max_tokens"),
+    ("temperature-string", CHAT, {"temperature": "hot"}, 422, "invalid_type", "temperature"),
+    ("messages-string", CHAT, {"messages": "hi"}, 422, "invalid_type", "messages"),
+    ("unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 422, "invalid_type", "messages.0.role"),
+    ("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 422, "invalid_type",
+     "messages.0.content"),
+    ("prompt-number", COMPL, {"prompt": 5}, 422, "invalid_type", "prompt"),
+    ("stream-string", CHAT, {"stream": "yes"}, 422, "invalid_type", "stream"),
+    ("stop-number", COMPL, {"stop": 3}, 422, "invalid_type", "stop"),
+    ("negative-max-tokens", CHAT, {"max_tokens": -5}, 400, "invalid_value", "max_tokens"),
+    ("zero-max-tokens", COMPL, {"max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    ("negative-max-completion-tokens", CHAT, {"max_completion_tokens": -1}, 400, "invalid_value",
+     "max_completion_tokens"),
+    ("negative-temperature", CHAT, {"temperature": -0.5}, 400, "invalid_value", "temperature"),
+    ("top-p-zero", COMPL, {"top_p": 0}, 400, "invalid_value", "top_p"),
+    ("top-p-above-one", COMPL, {"top_p": 1.5}, 400, "invalid_value", "top_p"),
+    ("n-two", CHAT, {"n": 2}, 400, "unsupported_parameter", "n"),
+    ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter",
+     "tools"),
+    ("empty-messages", CHAT, {"messages": []}, 400, "invalid_value", "messages"),
+    ("too-many-stops", COMPL, {"stop": ["a"] * 17}, 400, "invalid_value", "stop"),
+    ("prompt-batch", COMPL, {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+    ("token-id-out-of-range", COMPL, {"prompt": [1, 10 ** 6]}, 400, "invalid_value", None),
+    ("unknown-model", CHAT, {"model": "gpt-4o"}, 404, "model_not_found", "model"),
+    ("prompt-over-context", CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400,
+     "context_length_exceeded", None),
+    ("completion-over-context", COMPL, {"prompt": "hello " * 300}, 400, "context_length_exceeded", None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, code, param", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input(http, model, path, body, status, code, param):
+    valid = {"model": model, "max_tokens": 4, **({"messages": MSGS} if path == CHAT else {"prompt": "hi"})}
+    if isinstance(body, dict):
+        payload = {k: v for k, v in {**valid, **body}.items() if v is not None}
+        r = http.post(path, json=payload)
+    elif body == "NaN":
+        r = http.post(path, content=json.dumps(valid)[:-1] + ', "temperature": NaN}',
+                      headers={"content-type": "application/json"})
+    else:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert_error(r, status, code, param)
+
+
+def test_huge_body_is_refused(http, model):
+    big = {"model": model, "prompt": "a" * (70 * 1024), "max_tokens": 1}
+    assert_error(http.post(COMPL, json=big), 413, "request_too_large")
+
+    def chunks():                 # no Content-Length: the limit is enforced while reading
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(80):
+            yield b"a" * 1024
+        yield b'"}'
+
+    assert_error(http.post(COMPL, content=chunks(), headers={"content-type": "application/json"}), 413,
+                 "request_too_large")
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"},
+                                     {"Authorization": f"Bearer {KEY}x"}], ids=["missing", "wrong", "basic", "longer"])
+def test_missing_or_wrong_api_key(server, model, headers):
+    r = httpx.post(server.url + CHAT, json={"model": model, "messages": MSGS}, headers=headers)
+    assert_error(r, 401, "invalid_api_key")
+    assert_error(httpx.get(server.url + "/metrics", headers=headers), 401, "invalid_api_key")
+
+
+def test_huge_max_tokens_is_clamped_to_the_context(http, model):
+    r = http.post(COMPL, json={"model": model, "prompt": "the cat", "max_tokens": 10 ** 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["edgerun"]["max_tokens"] == CTX - body["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] <= body["edgerun"]["max_tokens"]
+
+
+def test_wrong_method_and_unknown_path(http):
+    assert_error(http.get(CHAT), 405, "method_not_allowed")
+    assert_error(http.get("/v2/nothing"), 404, "not_found")
+
+
+def test_still_serving_after_the_bad_inputs(server, http, model):
+    r = http.post(CHAT, json={"model": model, "messages": MSGS, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert server.proc.poll() is None
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = metrics.text
+    assert 'status="500"' not in text and "Traceback" not in server.output
+    for status in ("400", "401", "404", "413", "422"):
+        assert f'status="{status}"' in text, status
+    for name in ("edgerun_tokens_generated_total", "edgerun_tokens_per_second", "edgerun_acceptance_rate",
+                 "edgerun_gamma", "edgerun_queue_depth", "edgerun_time_to_first_token_seconds_bucket"):
+        assert f"\n{name}" in text, name
+    assert "\nedgerun_gamma 0\n" in text                       # no drafter: speculation off
+
+
+# --- concurrency on an in-process server (the real Runtime, held at a gate) -------------------------
+
+def _loader(tiny_llama, holder: dict, load_gate: threading.Event | None = None):
+    def load_gated():
+        if load_gate is not None:
+            assert load_gate.wait(60), "load gate never opened"
+        rt = GatedRuntime(load(str(tiny_llama), draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1))
+        rt.gate.set()
+        holder["rt"] = rt
+        return rt
+    return load_gated
+
+
+def _post_in_thread(url: str, path: str, body: dict, out: dict, key: str) -> threading.Thread:
+    def go():
+        out[key] = httpx.post(url + path, json=body, timeout=60)
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def _raw_request(url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket (so the test can vanish like a real client) and return the socket."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _metric(url: str, line_prefix: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_health_is_not_ready_until_the_model_is_loaded(tiny_llama):
+    holder, load_gate = {}, threading.Event()
+    with InProcessServer(ServerConfig(model=str(tiny_llama)), _loader(tiny_llama, holder, load_gate)) as srv:
+        r = httpx.get(srv.url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading" and int(r.headers["retry-after"]) > 0
+        r = httpx.post(srv.url + CHAT, json={"model": str(tiny_llama), "messages": MSGS})
+        assert_error(r, 503, "model_loading")
+        assert _metric(srv.url, f'edgerun_ready{{model="{tiny_llama}"}}') == 0
+        load_gate.set()
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        r = httpx.post(srv.url + CHAT, json={"model": str(tiny_llama), "messages": MSGS, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+
+
+def test_queue_is_fifo_and_rejects_past_its_bound(tiny_llama):
+    holder, out = {}, {}
+    model = str(tiny_llama)
+    with InProcessServer(ServerConfig(model=model, queue=2), _loader(tiny_llama, holder)) as srv:
+        wait_until(lambda: "rt" in holder, what="load")
+        rt, sch = holder["rt"], srv.state.scheduler
+        rt.gate.clear()
+        prompts = {"a": "one two", "b": "three four", "c": "five six"}
+        threads = [_post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts["a"], "max_tokens": 6}, out, "a")]
+        assert rt.entered.acquire(timeout=30)                      # a is running, held at the gate
+        for k in ("b", "c"):
+            threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts[k], "max_tokens": 6},
+                                           out, k))
+            wait_until(lambda: sch.depth == ("bc".index(k) + 1), what=f"{k} queued")
+        r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "seven", "max_tokens": 6})
+        assert_error(r, 503, "queue_full")
+        assert int(r.headers["retry-after"]) >= 1
+        assert _metric(srv.url, "edgerun_queue_depth") == 2 and _metric(srv.url, "edgerun_busy") == 1
+        rt.gate.set()
+        for t in threads:
+            t.join(60)
+        for k in "abc":
+            body = out[k].json()
+            assert out[k].status_code == 200, body
+            assert body["choices"][0]["finish_reason"] in ("stop", "length")
+            assert body["usage"]["completion_tokens"] <= 6
+        order = [next(k for k, p in prompts.items() if rt.tokenize(p) == toks) for toks in rt.started]
+        assert order == ["a", "b", "c"]
+        assert _metric(srv.url, 'edgerun_requests_total{endpoint="/v1/completions",status="503"}') == 1
+
+
+def test_client_disconnect_cancels_its_generation_and_frees_the_slot(tiny_llama):
+    holder = {}
+    model = str(tiny_llama)
+    probe = {"model": model, "prompt": "the water is", "max_tokens": 12, "temperature": 0}
+    with InProcessServer(ServerConfig(model=model, queue=2), _loader(tiny_llama, holder)) as srv:
+        wait_until(lambda: "rt" in holder, what="load")
+        rt, sch = holder["rt"], srv.state.scheduler
+        first = httpx.post(srv.url + COMPL, json=probe).json()
+        before, before_tokens = first["choices"][0]["text"], first["usage"]["completion_tokens"]
+
+        # a queued request whose client goes away leaves the queue at once
+        rt.gate.clear()
+        running = _raw_request(srv.url, COMPL, {"model": model, "prompt": "held", "max_tokens": 50, "stream": True,
+                                                "temperature": 0})
+        assert rt.entered.acquire(timeout=30)
+        queued = _raw_request(srv.url, CHAT, {"model": model, "messages": MSGS, "max_tokens": 50})
+        wait_until(lambda: sch.depth == 1, what="queued")
+        queued.close()
+        wait_until(lambda: sch.depth == 0, what="the queued request to leave")
+
+        # a running stream whose client goes away mid-stream stops at its next token
+        rt.meter = threading.Semaphore(2)
+        rt.gate.set()
+        buf = b""
+        while buf.count(b"data: ") < 2:                 # headers + the first tokens arrived
+            data = running.recv(65536)
+            assert data, f"the stream ended early: {buf!r}"
+            buf += data
+        running.close()
+        wait_until(lambda: sch.running is not None and sch.running.stop_reason == "cancelled",
+                   what="the disconnect to be noticed")
+        rt.meter.release(1)
+        wait_until(lambda: not sch.busy, what="the worker to stop")
+        rt.meter = None
+        assert _metric(srv.url, 'edgerun_generations_total{outcome="cancelled"}') == 2
+        # the 50-token stream was cut after its 4th token (the first three, then one more permit)
+        assert _metric(srv.url, "edgerun_tokens_generated_total") == before_tokens + 4
+
+        # the caches were rolled back: the same greedy request gives the same text
+        after = httpx.post(srv.url + COMPL, json=probe).json()["choices"][0]["text"]
+        assert after == before
+
+
+def test_time_limit_ends_running_and_queued_requests(tiny_llama):
+    holder, out = {}, {}
+    model = str(tiny_llama)
+    with InProcessServer(ServerConfig(model=model, queue=2, timeout_s=0.5), _loader(tiny_llama, holder)) as srv:
+        wait_until(lambda: "rt" in holder, what="load")
+        rt = holder["rt"]
+        rt.gate.clear()
+        t = _post_in_thread(srv.url, COMPL, {"model": model, "prompt": "slow one", "max_tokens": 20,
+                                             "temperature": 0}, out, "a")
+        assert rt.entered.acquire(timeout=30)
+        r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "waits", "max_tokens": 5}, timeout=60)
+        assert_error(r, 503, "queue_timeout")            # waited its whole limit behind the held request
+        rt.gate.set()
+        t.join(60)
+        body = out["a"].json()
+        assert out["a"].status_code == 200, body
+        assert body["choices"][0]["finish_reason"] == "length" and body["edgerun"]["finish"] == "time_limit"
+        assert body["usage"]["completion_tokens"] == 1     # stopped after the first token it produced
+        assert _metric(srv.url, 'edgerun_generations_total{outcome="timeout"}') == 2
+
+
+def test_server_output_equals_the_offline_runtime(tiny_llama):
+    model = str(tiny_llama)
+    with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
+        offline = rt.generate("the quick brown fox", max_tokens=20, temperature=0)
+    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, {})) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        body = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "the quick brown fox", "max_tokens": 20,
+                                                 "temperature": 0}, timeout=60).json()
+    assert body["choices"][0]["text"] == offline.text
+    assert body["usage"]["completion_tokens"] == offline.n_tokens
+    assert body["edgerun"]["finish"] == offline.finish_reason
