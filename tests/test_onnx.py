@@ -354,3 +354,24 @@ def test_unavailable_execution_provider_falls_back_with_a_log_line(exports, capl
     assert b.providers == ["CPUExecutionProvider"]
     assert b.eval(tokens_of(b)[:4]).shape == (4, b.n_vocab)
     b.close()
+
+
+def test_cli_export_then_generate_from_the_directory(tiny_model_factory, tmp_path):
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+
+    src = tiny_model_factory(arch="llama", wtype="q4_0")
+    out = tmp_path / "cli_export"
+    r = CliRunner().invoke(main, ["export", "onnx", str(src), str(out), "--ctx", "128"])
+    assert r.exit_code == 0, r.output
+    assert "all weights converted without loss" in r.output and read_config(out).n_ctx == 128
+    r = CliRunner().invoke(main, ["export", "onnx", str(src), str(out)])
+    assert r.exit_code == 2 and "error:" in r.output and "already exists" in r.output
+    r = CliRunner().invoke(main, ["generate", "the cat", "--model", str(out), "--draft", str(out), "--gamma", "2",
+                                  "-n", "6", "-t", "0", "--ctx", "64", "--threads", "1", "--json", "--no-pull"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output.strip().splitlines()[-1])
+    assert res["n_tokens"] >= 1 and res["n_drafted"] > 0
+    r = CliRunner().invoke(main, ["generate", "x", "--model", str(tmp_path), "--no-pull"])
+    assert r.exit_code == 2 and "model.onnx" in r.output
