@@ -202,7 +202,7 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
                 click.echo(f"unknown command {cmd}; use /reset, /stats or /exit", err=True)
                 continue
             messages.append({"role": "user", "content": line})
-            pieces = []
+            pieces, stream = [], None
             try:
                 stream = _fit_history(rt, messages, base, max_tokens=max_tokens, stop=stop, **kw)
                 for step in stream:
@@ -210,7 +210,8 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
                     click.echo(step.text, nl=False)
                     sys.stdout.flush()
             except KeyboardInterrupt:
-                stream.close()          # cancels generation; the decode loop rolls the caches back
+                if stream is not None:
+                    stream.close()      # cancels generation; the decode loop rolls the caches back
                 click.echo(" [stopped]", nl=False)
             except EdgerunError as e:
                 messages.pop()

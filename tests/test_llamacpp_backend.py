@@ -80,3 +80,18 @@ def test_bad_files(tmp_path, tiny_llama):
     head_only.write_bytes(data[:100])
     with pytest.raises(ModelFormatError, match="truncated"):
         LlamaCppBackend(head_only)
+
+
+def test_truncate_repairs_positions_the_bookkeeping_missed(backend):
+    """A KeyboardInterrupt between llama_decode and `tokens.extend` leaves untracked cache positions;
+    truncate must clear them so the next eval does not fail."""
+    backend.truncate(0)
+    toks = backend.tokenizer.tokenize("the cat is in the water", add_bos=False)
+    backend.eval(toks[:-1])
+    n = backend.n_past
+    backend.eval([toks[-1]])
+    del backend.tokens[n:]                 # simulate the interrupted bookkeeping
+    backend.truncate(backend.n_past)       # what the decode loop's finally does
+    out = backend.eval([toks[-1]])         # would fail with llama_decode -1 without the repair
+    backend.truncate(0)
+    np.testing.assert_allclose(out[-1], backend.eval(toks)[-1], rtol=1e-4, atol=1e-4)

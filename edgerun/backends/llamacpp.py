@@ -118,8 +118,9 @@ class LlamaCppBackend:
     def truncate(self, n: int) -> None:
         if n < 0:
             raise InvalidArgument(f"truncate needs n >= 0, got {n}")
-        if n >= len(self.tokens):
-            return
+        n = min(n, len(self.tokens))
+        # always remove [n, end): a KeyboardInterrupt landing between llama_decode and the bookkeeping
+        # below may have left positions in the cache that `tokens` does not list
         llama_lib.lib().llama_memory_seq_rm(self._mem, 0, n, -1)
         del self.tokens[n:]
 
