@@ -1,0 +1,337 @@
+"""ONNX backend vs llama.cpp backend on the same Q4_0 weights, with onnxruntime-genai as a peer.
+
+For each model: round-to-nearest Q4_0 GGUF (`edgerun quantize --method rtn`, linear weights Q4_0,
+embeddings Q8_0) -> `edgerun export onnx` (a lossless re-pairing of the same blocks). Then, in one run:
+
+- parity: top-1 agreement and logit differences over the first --positions tokens of real text
+  (CPython's reference prose, teacher-forced) between the ONNX backend, the llama.cpp backend and
+  (--reference) the numpy forward of the dequantized weights;
+- decode tokens/s of the same greedy decode loop (edgerun.generate, gamma 0) on each backend, and
+  onnxruntime-genai's own greedy loop on the same exported graph (prefill excluded everywhere);
+- verify cost T(n)/T(1), n = 1..8: one eval of n new positions after a fixed prefix;
+- speculative pair (--spec-pair TARGET:DRAFT, both exported): greedy plain vs greedy speculative on
+  the ONNX backend (tokens must be identical), a llama.cpp drafter for an ONNX target, and
+  onnxruntime-genai's speculative mode with the exported drafter.
+
+Runs alternate between engines so that machine noise hits all alike. Writes
+bench/results/onnx.json and prints a table. Needs `pip install onnxruntime-genai` for the peer
+(skipped with a note if it is missing).
+
+    python bench/onnx.py [--models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct]
+                         [--spec-pair qwen2.5-coder-1.5b-instruct:qwen2.5-coder-0.5b-instruct | none]
+                         [--positions 300] [--tokens 64] [--repeats 3] [--threads 2] [--reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# this file is named onnx.py: keep its own directory off sys.path so `import onnx` finds the package
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
+from edgerun.backends.llamacpp import LlamaCppBackend  # noqa: E402
+from edgerun.backends.onnxrt import OnnxBackend  # noqa: E402
+from edgerun.config import BackendArgs, QuantArgs, SamplingArgs  # noqa: E402
+from edgerun.generate import GenStats, generate  # noqa: E402
+from edgerun.onnx_export import export_onnx, read_config  # noqa: E402
+from edgerun.spec.drafters import ModelDrafter  # noqa: E402
+from edgerun.spec.gamma import FixedGamma  # noqa: E402
+
+GREEDY = SamplingArgs(temperature=0)
+PROMPT = ("Write a long, detailed essay about the history of the steam engine, from its earliest "
+          "designs to the industrial revolution and beyond.\n\n")
+CODE_PROMPT = "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"
+
+
+def parity_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in ("assert", "assignment", "augassign", "break", "class"))
+
+
+# ------------------------------------------------------------------------------------- preparation
+
+def prepare(name: str, work: Path, n_ctx: int, log) -> tuple[Path, Path]:
+    """(Q4_0 GGUF, ONNX export) of a registry model or a local GGUF, cached under `work`."""
+    from edgerun.quant.pipeline import quantize
+    from edgerun.registry import resolve_model
+
+    src = Path(name) if Path(name).exists() else resolve_model(name)
+    stem = Path(name).stem if Path(name).exists() else name
+    q = work / f"{stem}.q4_0.gguf"
+    if not q.exists():
+        t = time.perf_counter()
+        quantize(src, q, QuantArgs(method="rtn", format="q4_0", embed_type="q8_0"))
+        log(f"{stem}: RTN Q4_0 in {time.perf_counter() - t:.0f} s")
+    out = work / f"{stem}.q4_0.onnx"
+    if not out.exists() or read_config(out).n_ctx < n_ctx:
+        t = time.perf_counter()
+        export_onnx(q, out, n_ctx=n_ctx, force=out.exists())
+        log(f"{stem}: ONNX export in {time.perf_counter() - t:.0f} s")
+    return q, out
+
+
+# ------------------------------------------------------------------------------------- measurements
+
+def agreement(a: np.ndarray, b: np.ndarray) -> dict:
+    d = np.abs(a.astype(np.float64) - b)
+    return {"top1_agreement": float((a.argmax(1) == b.argmax(1)).mean()), "max_abs_diff": float(d.max()),
+            "mean_abs_diff": float(d.mean()), "logit_std": float(b.std())}
+
+
+def parity(gguf_q: Path, onnx_dir: Path, n_pos: int, args: BackendArgs, reference: bool) -> dict:
+    ob = OnnxBackend(onnx_dir, args)
+    toks = ob.tokenizer.tokenize(parity_text())[:n_pos]
+    lo = ob.eval(toks)
+    ob.close()
+    lb = LlamaCppBackend(gguf_q, args)
+    ll = lb.eval(toks)
+    lb.close()
+    res = {"positions": len(toks), "onnx_vs_llamacpp": agreement(lo, ll)}
+    if reference:
+        from edgerun.reference.llama import ReferenceModel
+
+        ref = ReferenceModel.from_gguf(gguf_q, dtype=np.float32)
+        lr = ref.forward(toks)
+        del ref
+        res["onnx_vs_reference"] = agreement(lo, lr)
+        res["llamacpp_vs_reference"] = agreement(ll, lr)
+    return res
+
+
+def decode_rate(backend, prompt: list[int], n: int, drafter=None, gamma: int = 0) -> tuple[float, list[int], GenStats]:
+    backend.truncate(0)
+    stamps, toks, stats = [], [], GenStats()
+    for step in generate(backend, prompt, GREEDY, max_tokens=n, drafter=drafter, policy=FixedGamma(gamma),
+                         rng=np.random.default_rng(0), stats=stats):
+        stamps.append(time.perf_counter())
+        toks.append(step.token)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), toks, stats
+
+
+def verify_curve(backend, prefix: list[int], repeats: int, n_max: int = 8) -> dict[int, float]:
+    backend.truncate(0)
+    backend.eval(prefix, n_logits=0)
+    extra = prefix[:n_max]
+    out = {}
+    for n in range(1, n_max + 1):
+        ts = []
+        for _ in range(repeats):
+            backend.truncate(len(prefix))
+            t = time.perf_counter()
+            backend.eval(extra[:n])
+            ts.append(time.perf_counter() - t)
+        out[n] = statistics.median(ts)
+    return out
+
+
+def genai_run(model_dir: Path, prompt: list[int], n: int, threads: int, speculative: int = 0) -> dict:
+    import onnxruntime_genai as og
+
+    cfg = og.Config(str(model_dir))
+    cfg.clear_providers()
+    model = og.Model(cfg)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+    if speculative:
+        params.set_speculative_options(max_draft_tokens=speculative)
+    g = og.Generator(model, params)
+    g.append_tokens(np.asarray([prompt], dtype=np.int32))
+    stamps, toks = [], []
+    while not g.is_done() and len(toks) < n:
+        g.generate_next_token()
+        stamps.append(time.perf_counter())
+        toks.append(int(g.get_next_tokens()[0]))
+    res = {"tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "tokens": toks}
+    if speculative:
+        st = g.get_speculative_stats()
+        res["acceptance_rate"] = float(st.get("acceptance_rate", 0.0))
+    return res
+
+
+def genai_speculative_dir(target: Path, draft: Path, work: Path, gamma: int) -> Path:
+    """A composite genai_config.json: the target's decoder plus the drafter's as model.draft.
+
+    onnxruntime-genai refuses '..' in config paths, so both exports are linked below it.
+    """
+    d = work / f"genai-spec-{target.name}-{draft.name}"
+    d.mkdir(exist_ok=True)
+    for link, real in (("target", target), ("draft", draft)):
+        if not (d / link).exists():
+            (d / link).symlink_to(real.resolve(), target_is_directory=True)
+    t = json.loads((target / "genai_config.json").read_text())
+    dr = json.loads((draft / "genai_config.json").read_text())
+    t["model"]["decoder"]["filename"] = "target/" + t["model"]["decoder"]["filename"]
+    t["model"]["draft"] = dict(dr["model"]["decoder"])
+    t["model"]["draft"]["filename"] = "draft/" + dr["model"]["decoder"]["filename"]
+    t["speculative"] = {"max_draft_tokens": gamma}
+    (d / "genai_config.json").write_text(json.dumps(t, indent=1))
+    return d
+
+
+def have_genai() -> bool:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--spec-pair", default="qwen2.5-coder-1.5b-instruct:qwen2.5-coder-0.5b-instruct",
+                    help="TARGET:DRAFT for the speculative runs, or 'none'")
+    ap.add_argument("--gamma", type=int, default=3)
+    ap.add_argument("--positions", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reference", action="store_true", help="Also compare with the numpy forward (slow).")
+    ap.add_argument("--work", default=None, help="Cache of quantized/exported models (default $EDGERUN_HOME/bench-onnx).")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "onnx.json"))
+    a = ap.parse_args()
+
+    from edgerun.registry import cache_dir
+
+    work = Path(a.work) if a.work else cache_dir() / "bench-onnx"
+    work.mkdir(parents=True, exist_ok=True)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    n_ctx = 1024
+    args = BackendArgs(n_ctx=n_ctx, n_threads=a.threads, flash_attn=True)
+    genai = have_genai()
+    if not genai:
+        log("onnxruntime-genai is not installed: the peer columns are skipped (pip install onnxruntime-genai)")
+    import onnxruntime
+
+    result = {"threads": a.threads, "tokens": a.tokens, "onnxruntime": onnxruntime.__version__,
+              "genai": __import__("onnxruntime_genai").__version__ if genai else None, "models": {}}
+
+    for name in [m for m in a.models.split(",") if m]:
+        q, ox = prepare(name, work, n_ctx, log)
+        cfg = read_config(ox)
+        r = {"gguf": str(q), "onnx": str(ox), "lossless": cfg.lossless, "weight_bytes": cfg.weight_bytes}
+        log(f"{name}: parity over {a.positions} positions")
+        r["parity"] = parity(q, ox, a.positions, args, a.reference)
+        ob, lb = OnnxBackend(ox, args), LlamaCppBackend(q, args)
+        prompt = lb.tokenizer.tokenize(PROMPT)
+        rates = {"onnx": [], "llamacpp": [], "genai": []}
+        curves = {"onnx": [], "llamacpp": []}
+        toks = {}
+        for rep in range(a.repeats):
+            log(f"{name}: speed round {rep + 1}/{a.repeats}")
+            for key, be in (("onnx", ob), ("llamacpp", lb)):
+                rate, toks[key], _ = decode_rate(be, prompt, a.tokens)
+                rates[key].append(rate)
+                curves[key].append(verify_curve(be, prompt, 3))
+            if genai:
+                g = genai_run(ox, prompt, a.tokens, a.threads)
+                rates["genai"].append(g["tokens_per_s"])
+                toks["genai"] = g["tokens"]
+        ob.close()
+        lb.close()
+        r["decode_tokens_per_s"] = {k: statistics.median(v) for k, v in rates.items() if v}
+        r["verify_cost"] = {k: {n: statistics.median(c[n] for c in v) / statistics.median(c[1] for c in v)
+                                for n in range(1, 9)} for k, v in curves.items()}
+        r["verify_t1_ms"] = {k: 1000 * statistics.median(c[1] for c in v) for k, v in curves.items()}
+        r["greedy_tokens_equal"] = {"onnx_vs_llamacpp": toks["onnx"] == toks["llamacpp"],
+                                    **({"onnx_vs_genai": toks["onnx"] == toks["genai"]} if genai else {})}
+        result["models"][name] = r
+
+    if a.spec_pair != "none":
+        t_name, d_name = a.spec_pair.split(":")
+        (tq, tx), (dq, dx) = prepare(t_name, work, n_ctx, log), prepare(d_name, work, n_ctx, log)
+        target = OnnxBackend(tx, args)
+        prompt = target.tokenizer.tokenize(CODE_PROMPT)
+        runs: dict[str, list] = {}
+        out_toks = {}
+
+        def record(key, rate, toks, stats=None):
+            runs.setdefault(key, []).append(rate)
+            out_toks[key] = (toks, None if stats is None else stats.acceptance_rate)
+
+        d_onnx = ModelDrafter(OnnxBackend(dx, args), target)
+        d_lcpp = ModelDrafter(LlamaCppBackend(dq, args), target)
+        lt = LlamaCppBackend(tq, args)
+        d_lt = ModelDrafter(LlamaCppBackend(dq, args), lt)
+        gdir = genai_speculative_dir(tx, dx, work, a.gamma) if genai else None
+        for rep in range(a.repeats):
+            log(f"spec pair: round {rep + 1}/{a.repeats}")
+            record("onnx plain", *decode_rate(target, prompt, a.tokens)[:2])
+            rate, tk, st = decode_rate(target, prompt, a.tokens, d_onnx, a.gamma)
+            record(f"onnx spec (onnx drafter, gamma {a.gamma})", rate, tk, st)
+            rate, tk, st = decode_rate(target, prompt, a.tokens, d_lcpp, a.gamma)
+            record(f"onnx spec (llama.cpp drafter, gamma {a.gamma})", rate, tk, st)
+            record("llama.cpp plain", *decode_rate(lt, prompt, a.tokens)[:2])
+            rate, tk, st = decode_rate(lt, prompt, a.tokens, d_lt, a.gamma)
+            record(f"llama.cpp spec (llama.cpp drafter, gamma {a.gamma})", rate, tk, st)
+            if genai:
+                g = genai_run(tx, prompt, a.tokens, a.threads)
+                record("genai plain", g["tokens_per_s"], g["tokens"])
+                try:
+                    g = genai_run(gdir, prompt, a.tokens, a.threads, speculative=a.gamma)
+                    runs.setdefault(f"genai spec (gamma {a.gamma})", []).append(g["tokens_per_s"])
+                    out_toks[f"genai spec (gamma {a.gamma})"] = (g["tokens"], g.get("acceptance_rate"))
+                except Exception as e:  # the peer's own errors: recorded, not fatal
+                    out_toks["genai spec error"] = (str(e).splitlines()[0], None)
+        plain = out_toks["onnx plain"][0]
+        result["spec_pair"] = {
+            "target": t_name, "draft": d_name, "gamma": a.gamma,
+            "runs": {k: {"tokens_per_s": statistics.median(v),
+                         "acceptance_rate": out_toks[k][1],
+                         "tokens_equal_onnx_plain": out_toks[k][0] == plain,
+                         "tokens_equal_own_plain": out_toks[k][0] == out_toks[
+                             "llama.cpp plain" if k.startswith("llama") else
+                             "genai plain" if k.startswith("genai") else "onnx plain"][0]}
+                     for k, v in runs.items()},
+            "errors": {k: v[0] for k, v in out_toks.items() if k.endswith("error")},
+        }
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print_table(result)
+    print(f"\nwrote {out}")
+
+
+def print_table(r: dict) -> None:
+    print(f"\nONNX backend vs llama.cpp backend (same Q4_0 weights), {r['threads']} threads, "
+          f"onnxruntime {r['onnxruntime']}, onnxruntime-genai {r['genai']}")
+    print(f"{'model':32} {'top-1 onnx~llama':>16} {'mean|dlogit|':>12} {'decode tok/s onnx':>18} "
+          f"{'llama.cpp':>10} {'genai':>8} {'onnx/llama':>10}")
+    for name, m in r["models"].items():
+        p, d = m["parity"], m["decode_tokens_per_s"]
+        print(f"{name:32} {p['onnx_vs_llamacpp']['top1_agreement']:16.3f} "
+              f"{p['onnx_vs_llamacpp']['mean_abs_diff']:12.3f} {d['onnx']:18.1f} {d['llamacpp']:10.1f} "
+              f"{d.get('genai', float('nan')):8.1f} {d['onnx'] / d['llamacpp']:10.2f}")
+        if "onnx_vs_reference" in p:
+            print(f"{'':32} top-1 vs numpy reference: onnx {p['onnx_vs_reference']['top1_agreement']:.3f}, "
+                  f"llama.cpp {p['llamacpp_vs_reference']['top1_agreement']:.3f}")
+        for k, c in m["verify_cost"].items():
+            print(f"{'':32} T(n)/T(1) {k:9} " + " ".join(f"{c[n]:.2f}" for n in range(1, 9))
+                  + f"   (T(1) {m['verify_t1_ms'][k]:.1f} ms)")
+    s = r.get("spec_pair")
+    if s:
+        print(f"\nspeculative pair {s['target']} <- {s['draft']}")
+        for k, v in s["runs"].items():
+            acc = "" if v["acceptance_rate"] is None else f" acceptance {v['acceptance_rate']:.2f}"
+            print(f"  {k:48} {v['tokens_per_s']:7.1f} tok/s{acc}; same tokens as its plain run: "
+                  f"{v['tokens_equal_own_plain']}")
+        for k, v in s["errors"].items():
+            print(f"  {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
