@@ -89,7 +89,13 @@ def tiny_target(tiny_llama):
     be.close()
 
 
-def test_cost_probe_measures_and_caches(tiny_target):
+def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
+    from edgerun.hw import costprobe
+
+    monkeypatch.setattr(costprobe, "_busy", lambda: True)      # a busy machine's figures are not cached
+    probe_costs(tiny_target, None, n_max=4, reps=1)
+    assert not list(store.probes_dir().glob("verify-*.json"))
+    monkeypatch.setattr(costprobe, "_busy", lambda: False)
     tv = measure_verify_curve(tiny_target, n_max=4, reps=1)
     assert len(tv) == 4 and all(t > 0 for t in tv)
     assert tiny_target.n_past == 0                    # the cache is left empty

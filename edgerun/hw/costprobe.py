@@ -6,6 +6,7 @@ hash + engine settings in $EDGERUN_HOME/probes/ and reused on the next load.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -37,6 +38,15 @@ def _probe_tokens(backend, n: int) -> list[int]:
 
 def _settings(backend) -> dict:
     return {k: getattr(backend, k, None) for k in ("n_threads", "n_gpu_layers", "flash_attn", "n_batch", "name")}
+
+
+def _busy() -> bool:
+    """Other work is competing for the CPU right now: a measurement then is not worth caching."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return load > (os.cpu_count() or 1) + 0.5
 
 
 def _engine_version() -> str:
@@ -125,7 +135,10 @@ def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_
     else:
         log.info("measuring the target's verify cost curve (n = 1..%d); cached for next time", n_max)
         tv = measure_verify_curve(target, n_max=n_max, reps=reps)
-        if tpath:
+        if tpath and _busy():
+            log.warning("the machine was busy (load average %.1f) while measuring the cost curve: not caching it;"
+                        " the gamma tuner corrects the costs online", os.getloadavg()[0])
+        elif tpath:
             atomic_write_json(tpath, {"t_verify": tv, "model": getattr(target, "name", "?"),
                                       "settings": _settings(target), "device": device_identity()})
     td = 0.0
@@ -137,7 +150,7 @@ def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_
             td = float(ddoc["t_draft"])
         else:
             td = measure_draft_step(drafter, target)
-            if dpath:
+            if dpath and not _busy():
                 atomic_write_json(dpath, {"t_draft": td, "drafter": getattr(drafter, "name", "?"),
                                           "device": device_identity()})
     return CostCurve(t_verify=tuple(tv), t_draft=td, source="measured")

@@ -196,12 +196,19 @@ class GammaTuner:
                 self._seen[na] += 1
         # times
         n = m + 1
+        # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
+        # machine is a spike, not a new cost level; a real change still arrives within a few cycles)
         if n < len(self._tv_obs) and t_verify > 0:
             c = self._tv_n[n]
-            self._tv_obs[n] = t_verify if c == 0 else self._tv_obs[n] + max(k, 1.0 / (c + 1)) * (t_verify - self._tv_obs[n])
+            if c == 0:
+                self._tv_obs[n] = t_verify          # the prior may be far off: the first sample is taken whole
+            else:
+                obs = float(np.clip(t_verify, self._tv_obs[n] / 2, self._tv_obs[n] * 2))
+                self._tv_obs[n] += max(k, 1.0 / (c + 1)) * (obs - self._tv_obs[n])
             self._tv_n[n] = min(c + 1, 1.0 / k)
         if m > 0 and self.cost.t_draft > 0:
-            self._td_ratio = (1 - k) * self._td_ratio + k * (t_draft / (m * self.cost.t_draft))
+            r = float(np.clip(t_draft / (m * self.cost.t_draft), self._td_ratio / 2, self._td_ratio * 2))
+            self._td_ratio = (1 - k) * self._td_ratio + k * r
         elif m == 0 and asked > 0:
             self._t_miss = (1 - k) * self._t_miss + k * t_draft
 

@@ -1,0 +1,194 @@
+"""The gamma auto-tuner against every fixed gamma, measured side by side in one run.
+
+For each workload, greedy decoding of --tokens tokens per prompt with: plain decoding (gamma 0),
+each fixed gamma, and `auto` (GammaTuner: the measured cost curve of this device + acceptance
+learned online). Configurations are interleaved prompt by prompt (rotating order, --rounds times)
+so machine load drifts affect them alike; tokens/s is total tokens / total decode time (prefill
+excluded) over all prompts and rounds. The auto tuner is created fresh at the start of each
+workload and kept across its prompts, as in a chat session, so its learning cost is included.
+
+Workloads (registry models, pulled into the cache on first use):
+  code       qwen2.5-coder-1.5b-instruct + qwen2.5-coder-0.5b-instruct drafter, code-completion prompts
+  prose      the same pair, chat prompts asking for prose
+  summarise  smollm2-135m-instruct + prompt-lookup drafter, summarise-this-text prompt
+  chat       smollm2-135m-instruct + prompt-lookup drafter, free-form chat prompts
+
+Targets (issue 4): auto >= 95% of the best fixed gamma on every workload, and >= 98% of plain.
+
+    nice python bench/tuner.py [--tokens 128] [--threads 2] [--gammas 1,2,3,4,6,8] [--rounds 1]
+        [--workloads code,prose,summarise,chat]
+
+Writes bench/results/tuner.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT = "qwen2.5-coder-0.5b-instruct"
+SMALL = "smollm2-135m-instruct"
+
+CODE_PROMPTS = [
+    'def quicksort(items):\n    """Return a new list with the items sorted in ascending order (quicksort)."""\n',
+    "import json\nfrom pathlib import Path\n\n\nclass Config:\n"
+    '    """Load a JSON configuration file and give attribute access to its keys."""\n\n'
+    "    def __init__(self, path):\n",
+]
+PROSE = [
+    "Explain in a few paragraphs what a hash table is, how it handles collisions, and when a programmer "
+    "should prefer a balanced tree instead.",
+    "Write a short essay about why software projects are often late, and what teams can do about it.",
+]
+CHAT = [
+    "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three good habits for staying focused while working from home?",
+]
+
+
+def summarise_prompt() -> str:
+    from pydoc_data.topics import topics
+
+    text = topics["while"] + "\n" + topics["if"] + "\n" + topics["break"]
+    return f"Summarise the following text in a few sentences.\n\n{text}"
+
+
+def workloads(selected: set[str]) -> list[dict]:
+    out = []
+    if "code" in selected:
+        out.append({"name": "code", "model": TARGET, "draft": DRAFT, "raw": CODE_PROMPTS})
+    if "prose" in selected:
+        out.append({"name": "prose", "model": TARGET, "draft": DRAFT, "chat": PROSE})
+    if "summarise" in selected:
+        out.append({"name": "summarise", "model": SMALL, "draft": "lookup", "chat": [summarise_prompt()]})
+    if "chat" in selected:
+        out.append({"name": "chat", "model": SMALL, "draft": "lookup", "chat": CHAT})
+    return out
+
+
+def run_one(rt, prompt: list[int], n: int, gamma, policy=None) -> dict:
+    from edgerun.generate import GenStats
+
+    st = GenStats()
+    saved = rt.policy
+    if policy is not None:
+        rt.policy = policy
+    try:
+        toks = [s.token for s in rt.stream_tokens(prompt, max_tokens=n, temperature=0.0, gamma=gamma, stats=st)]
+    finally:
+        rt.policy = saved
+    return {"n_tokens": st.n_tokens, "t_decode_s": st.t_total_s - st.t_prefill_s, "n_cycles": st.n_cycles,
+            "n_drafted": st.n_drafted, "n_accepted": st.n_accepted, "gamma_sum": st.gamma_sum, "tokens": toks}
+
+
+def bench_workload(w: dict, gammas: list[int], n: int, rounds: int, common: dict) -> dict:
+    import edgerun
+    from edgerun.spec.gamma import GammaTuner
+
+    t0 = time.perf_counter()
+    rt = edgerun.load(w["model"], draft=w["draft"], **common)      # gamma auto: runs / reads the cost probe
+    t_load = time.perf_counter() - t0
+    try:
+        prompts = [rt.tokenize(p) for p in w.get("raw", [])]
+        prompts += [rt.tokenizer.chat_prompt_tokens([{"role": "user", "content": c}]) for c in w.get("chat", [])]
+        tuner = GammaTuner.for_runtime(rt.profile, rt.target, rt.drafter, rt.spec)
+        curve = tuner.cost
+        configs = [0, *gammas, "auto"]
+        acc = {str(c): {"n_tokens": 0, "t_decode_s": 0.0, "n_cycles": 0, "n_drafted": 0, "n_accepted": 0,
+                        "gamma_sum": 0} for c in configs}
+        plain_tokens: dict[int, list[int]] = {}
+        same = {str(c): True for c in configs}
+        k = 0
+        for rnd in range(rounds):
+            for pi, prompt in enumerate(prompts):
+                run_one(rt, prompt, 8, 0)          # warm-up: page the weights in, fill the prefix cache
+                order = configs[k % len(configs):] + configs[: k % len(configs)]
+                k += 1
+                for c in order:
+                    r = run_one(rt, prompt, n, None if c == "auto" else c, policy=tuner if c == "auto" else None)
+                    for key in acc[str(c)]:
+                        acc[str(c)][key] += r[key]
+                    if c == 0:
+                        plain_tokens.setdefault(pi, r["tokens"])
+                    print(f"  [{w['name']} r{rnd} p{pi} {c}] {r['n_tokens'] / r['t_decode_s']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
+                    if c != 0:
+                        ref = plain_tokens.get(pi)
+                        if ref is not None and r["tokens"] != ref[: len(r["tokens"])]:
+                            same[str(c)] = False
+        rows = {}
+        for c in configs:
+            a = acc[str(c)]
+            rows[str(c)] = {"tok_s": a["n_tokens"] / a["t_decode_s"],
+                            "acceptance_rate": a["n_accepted"] / a["n_drafted"] if a["n_drafted"] else None,
+                            "gamma_mean": a["gamma_sum"] / a["n_cycles"] if a["n_cycles"] else 0.0,
+                            "same_as_plain": same[str(c)], **{k2: a[k2] for k2 in ("n_tokens", "t_decode_s", "n_cycles")}}
+        plain = rows["0"]["tok_s"]
+        best_g = max(gammas, key=lambda g: rows[str(g)]["tok_s"])
+        best = max(plain, rows[str(best_g)]["tok_s"])
+        auto = rows["auto"]["tok_s"]
+        return {"workload": w["name"], "model": w["model"], "draft": w["draft"], "n_prompts": len(prompts),
+                "t_load_s": t_load, "cost_curve": {"t_verify_s": list(curve.t_verify), "t_draft_s": curve.t_draft,
+                                                   "source": curve.source},
+                "rows": rows, "plain_tok_s": plain, "best_fixed_gamma": best_g,
+                "best_fixed_tok_s": rows[str(best_g)]["tok_s"], "auto_tok_s": auto,
+                "auto_over_best": auto / best, "auto_over_plain": auto / plain,
+                "tuner_final": tuner.summary(),
+                "meets_targets": auto >= 0.95 * best and auto >= 0.98 * plain}
+    finally:
+        rt.close()
+
+
+def print_table(result: dict) -> None:
+    gammas = result["gammas"]
+    print(f"threads {result['threads']}, {result['tokens']} tokens per prompt, greedy, {result['rounds']} round(s); "
+          f"load average {result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}")
+    head = f"{'workload':<10}{'plain':>7}" + "".join(f"{'g=' + str(g):>7}" for g in gammas)
+    head += f"{'auto':>7}{'auto g':>7}{'alpha':>6}{'auto/best':>10}{'auto/plain':>11}  ok"
+    print(head + "   (tokens/s)")
+    for w in result["workloads"]:
+        r = w["rows"]
+        line = f"{w['workload']:<10}{w['plain_tok_s']:>7.1f}" + "".join(f"{r[str(g)]['tok_s']:>7.1f}" for g in gammas)
+        alpha = r["auto"]["acceptance_rate"]
+        line += (f"{w['auto_tok_s']:>7.1f}{r['auto']['gamma_mean']:>7.2f}"
+                 f"{(f'{alpha:.2f}' if alpha is not None else '-'):>6}"
+                 f"{w['auto_over_best']:>10.3f}{w['auto_over_plain']:>11.3f}  {'yes' if w['meets_targets'] else 'NO'}")
+        print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--gammas", default="1,2,3,4,6,8")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--workloads", default="code,prose,summarise,chat")
+    ap.add_argument("--profile", default="auto")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tuner.json"))
+    a = ap.parse_args()
+    gammas = [int(g) for g in a.gammas.split(",")]
+    common = dict(n_threads=a.threads, n_ctx=a.ctx, flash_attn=True, profile=a.profile)
+    result = {"threads": a.threads, "tokens": a.tokens, "gammas": gammas, "rounds": a.rounds, "greedy": True,
+              "loadavg_start": os.getloadavg(), "workloads": []}
+    t0 = time.perf_counter()
+    for w in workloads(set(a.workloads.split(","))):
+        print(f"workload {w['name']}: {w['model']} + {w['draft']}", file=sys.stderr, flush=True)
+        result["workloads"].append(bench_workload(w, gammas, a.tokens, a.rounds, common))
+    result["loadavg_end"] = os.getloadavg()
+    result["wall_s"] = time.perf_counter() - t0
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
