@@ -461,8 +461,8 @@ def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_p
                    f"{r['copy_gbs']:10.1f} {r['triad_gbs']:11.1f} {frac:>13s} {chk:>11s} {ratio:>6s}")
     if cost:
         click.echo(f"cost curve of {cost['model']}: T(1) = {cost['t_verify_s'][0] * 1e3:.2f} ms")
-        click.echo("  n      " + " ".join(f"{n:5d}" for n in range(1, len(cost['ratios']) + 1)))
-        click.echo("  T(n)/T(1)" + " ".join(f"{r:5.2f}" for r in cost["ratios"])[2:])
+        click.echo("  n         " + "".join(f"{n:6d}" for n in range(1, len(cost["ratios"]) + 1)))
+        click.echo("  T(n)/T(1) " + "".join(f"{r:6.2f}" for r in cost["ratios"]))
         if cost["draft"]:
             click.echo(f"drafter {cost['draft']}: {cost['t_draft_s'] * 1e3:.3f} ms per token "
                        f"({cost['draft_vs_target']:.2f} x a target step)")

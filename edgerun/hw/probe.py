@@ -36,7 +36,8 @@ def cost_report(profile: DeviceProfile, model: str, draft: str | None = None, *,
                 pull: bool = True, n_ctx: int = 512) -> dict:
     """Load the target (+ drafter) with the profile's settings and measure (or read) the cost curve."""
     from ..registry import resolve_model
-    from ..spec.drafters import make_drafter, open_backend
+    from ..backends import open_backend
+    from ..spec.drafters import make_drafter
 
     args = profile.backend_args(n_ctx=n_ctx)
     target = open_backend(resolve_model(model, pull=pull), args)
