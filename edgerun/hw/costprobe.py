@@ -67,15 +67,16 @@ def measure_verify_curve(target, *, n_max: int = N_MAX, reps: int = 3, context: 
     seq = _probe_tokens(target, context + n_max)
     target.truncate(0)
     target.eval(seq[:context], n_logits=0)
+    for n in (1, n_max):                     # warm-up (caches, repacked weights): not timed
+        target.eval(seq[context:context + n])
+        target.truncate(context)
     times = np.zeros((reps, n_max))          # times [rep, n - 1]
-    for r in range(reps + 1):                # repetition 0 warms up (caches, repacked weights) and is dropped
+    for r in range(reps):
         for n in range(1, n_max + 1):
             t0 = time.perf_counter()
             target.eval(seq[context:context + n])
-            dt = time.perf_counter() - t0
+            times[r, n - 1] = time.perf_counter() - t0
             target.truncate(context)
-            if r > 0:
-                times[r - 1, n - 1] = dt
     target.truncate(0)
     return [float(x) for x in np.median(times, axis=0)]
 
@@ -111,9 +112,9 @@ def _model_id(backend) -> str | None:
         return None
 
 
-def target_key(target, n_max: int = N_MAX) -> str | None:
+def target_key(target) -> str | None:
     mid = _model_id(target)
-    return None if mid is None else key_of("target", device_identity(), mid, _settings(target), _engine_version(), n_max)
+    return None if mid is None else key_of("target", device_identity(), mid, _settings(target), _engine_version())
 
 
 def drafter_key(drafter, target) -> str | None:
@@ -126,12 +127,13 @@ def drafter_key(drafter, target) -> str | None:
 
 
 def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_MAX, reps: int = 3) -> CostCurve:
-    """Measured cost curve for the loaded target (+ drafter), from the cache when it has it."""
-    tkey = target_key(target, n_max)
+    """Measured cost curve for the loaded target (+ drafter), from the cache when it has it
+    (a cached curve longer than n_max serves too)."""
+    tkey = target_key(target)
     tpath = probes_dir() / f"verify-{tkey}.json" if tkey else None
     doc = read_json(tpath) if (use_cache and tpath) else None
-    if doc and len(doc.get("t_verify", [])) == n_max:
-        tv = [float(x) for x in doc["t_verify"]]
+    if doc and len(doc.get("t_verify", [])) >= n_max:
+        tv = [float(x) for x in doc["t_verify"][:n_max]]
     else:
         log.info("measuring the target's verify cost curve (n = 1..%d); cached for next time", n_max)
         tv = measure_verify_curve(target, n_max=n_max, reps=reps)
@@ -169,12 +171,12 @@ def roofline_for(target, drafter, profile, bandwidth_gbs: float | None = None) -
         lookup=drafter is not None and be is None, bandwidth_gbs=bw, peak_gflops=peak)
 
 
-def cost_curve_for(target, drafter, profile, *, measure: bool = True) -> CostCurve:
+def cost_curve_for(target, drafter, profile, *, measure: bool = True, n_max: int = N_MAX) -> CostCurve:
     """The curve the tuner starts from: measured (cached) if allowed, else the roofline prior
     with the cached measured bandwidth when there is one."""
     if measure:
         try:
-            return probe_costs(target, drafter)
+            return probe_costs(target, drafter, n_max=n_max)
         except (EdgerunError, OSError) as e:   # a failed probe must not stop generation: roofline instead
             log.warning("cost probe failed (%s: %s); using the roofline prior", type(e).__name__, e)
     from .bandwidth import cached_bandwidth

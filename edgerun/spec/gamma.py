@@ -95,8 +95,8 @@ class GammaTuner:
         """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured)."""
         from ..hw.costprobe import cost_curve_for
 
-        curve = cost_curve_for(target, drafter, profile, measure=measure)
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
+        curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=gmax + 1)
         return cls(curve, gamma_max=gmax)
 
     # -- the model ---------------------------------------------------------------------------
