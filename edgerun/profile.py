@@ -403,7 +403,9 @@ def _sysctl(key: str) -> str | None:
         out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def gather_facts(root: str | os.PathLike = "/", *, system: str | None = None, machine: str | None = None,
@@ -434,7 +436,7 @@ def gather_facts(root: str | os.PathLike = "/", *, system: str | None = None, ma
         mem = int(memsize) if memsize and memsize.isdigit() else psutil.virtual_memory().total
     return DeviceFacts(
         system=system, machine=machine,
-        tegra_release=rel.strip().splitlines()[0] if rel and rel.strip() else (None if rel is None else ""),
+        tegra_release=None if rel is None else (rel.strip().splitlines() or [""])[0],
         dt_model=model.strip("\x00\n ") if model else None,
         dt_compatible=tuple(c for c in compat.split("\x00") if c.strip()),
         cpu_brand=cpu_brand, mem_total_bytes=mem)
