@@ -320,7 +320,12 @@ def serve(ctx, model, draft, gamma, profile_name, host, port, api_key, queue, ti
     background: /health answers 503 until they are ready.
     """
     from .runtime import _parse_gamma
-    from .server import ServerConfig, precheck, serve as run_server
+
+    try:
+        from .server import ServerConfig, precheck, serve as run_server
+    except ImportError as e:
+        raise EdgerunError(f"`edgerun serve` needs the 'serve' extra ({e.name} is not installed): "
+                           f"pip install 'edgerun[serve]'") from e
 
     if ctx.find_root().params.get("verbose", 0) == 0:
         logging.getLogger("edgerun").setLevel(logging.INFO)
