@@ -35,7 +35,7 @@ class GenerationRecord:
 
     n_prompt_tokens: int
     n_tokens: int
-    t_decode_s: float          # wall time from the first generated token to the last
+    t_decode_s: float          # wall time after the prefill (GenStats.t_total_s - t_prefill_s)
     n_drafted: int
     n_accepted: int
     gamma: int | None          # draft length of the last cycle (None: never drafted)
@@ -71,9 +71,9 @@ class Metrics:
             self.tokens += rec.n_tokens
             self.drafted += rec.n_drafted
             self.accepted += rec.n_accepted
-            if rec.n_tokens > 1 and rec.t_decode_s > 0:
+            if rec.n_tokens > 0 and rec.t_decode_s > 0:
                 self.decode_seconds += rec.t_decode_s
-                self.last_tokens_per_s = (rec.n_tokens - 1) / rec.t_decode_s
+                self.last_tokens_per_s = rec.n_tokens / rec.t_decode_s      # as GenStats.tokens_per_s
             if rec.gamma is not None:
                 self.gamma = rec.gamma
             if rec.ttft_s is not None:
@@ -106,7 +106,7 @@ class Metrics:
             metric("edgerun_draft_tokens_total", "counter", "Tokens proposed by the drafter.", [("", self.drafted)])
             metric("edgerun_draft_tokens_accepted_total", "counter", "Drafted tokens the target accepted.",
                    [("", self.accepted)])
-            metric("edgerun_decode_seconds_total", "counter", "Seconds spent decoding after the first token.",
+            metric("edgerun_decode_seconds_total", "counter", "Seconds spent decoding (after the prefill).",
                    [("", self.decode_seconds)])
             metric("edgerun_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
                    [("", self.last_tokens_per_s)])

@@ -6,6 +6,7 @@ held at a gate."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 
@@ -13,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from edgerun.metrics import GenerationRecord, Metrics
 from edgerun.runtime import load
 from edgerun.server import ServerConfig
 from server_harness import (TINY_ARGS, GatedRuntime, InProcessServer, ServerProcess, clean_env, sse_events,
@@ -466,3 +468,37 @@ def test_server_output_equals_the_offline_runtime(tiny_llama):
     assert body["choices"][0]["text"] == offline.text
     assert body["usage"]["completion_tokens"] == offline.n_tokens
     assert body["edgerun"]["finish"] == offline.finish_reason
+
+
+# --- /metrics text ---------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*"'
+                     r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*")*\})? (-?[0-9.e+-]+|NaN|[+-]Inf)$')
+
+
+def test_metrics_exposition_format():
+    m = Metrics(model='odd "name"\\x')
+    m.count_request("/v1/completions", 200)
+    m.count_request("/v1/completions", 503)
+    m.record_generation(GenerationRecord(n_prompt_tokens=5, n_tokens=11, t_decode_s=2.0, n_drafted=8, n_accepted=6,
+                                         gamma=4, ttft_s=0.3, outcome="length"))
+    m.record_generation(GenerationRecord(n_prompt_tokens=0, n_tokens=0, t_decode_s=0.0, n_drafted=0, n_accepted=0,
+                                         gamma=None, ttft_s=None, outcome="cancelled"))
+    text = m.render(queue_depth=2, queue_limit=8, busy=True, ready=True)
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) edgerun_\w+ .+", line), line
+            continue
+        assert _SAMPLE.match(line), line
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    assert values["edgerun_acceptance_rate"] == 0.75 and values["edgerun_gamma"] == 4
+    assert values["edgerun_tokens_per_second"] == 5.5 and values["edgerun_tokens_generated_total"] == 11
+    assert values['edgerun_time_to_first_token_seconds_bucket{le="0.25"}'] == 0
+    assert values['edgerun_time_to_first_token_seconds_bucket{le="0.5"}'] == 1
+    assert values['edgerun_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
+    assert values['edgerun_requests_total{endpoint="/v1/completions",status="503"}'] == 1
+    assert values['edgerun_generations_total{outcome="cancelled"}'] == 1
+    assert values["edgerun_queue_depth"] == 2 and values["edgerun_busy"] == 1
+    assert values['edgerun_ready{model="odd \\"name\\"\\\\x"}'] == 1
