@@ -38,7 +38,7 @@ class GenerationRecord:
     t_decode_s: float          # wall time after the prefill (GenStats.t_total_s - t_prefill_s)
     n_drafted: int
     n_accepted: int
-    gamma: int | None          # draft length of the last cycle (None: never drafted)
+    gamma_mean: float | None   # mean draft length per cycle of this generation (None: no cycle ran)
     ttft_s: float | None       # queue wait + prefill + first token; None when no token came
     outcome: str               # stop | length | eos | cancelled | timeout | error
 
@@ -55,7 +55,7 @@ class Metrics:
         self.accepted = 0
         self.decode_seconds = 0.0
         self.last_tokens_per_s = 0.0
-        self.gamma: int | None = None
+        self.gamma: float | None = None
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.ttft_n = 0
@@ -74,15 +74,15 @@ class Metrics:
             if rec.n_tokens > 0 and rec.t_decode_s > 0:
                 self.decode_seconds += rec.t_decode_s
                 self.last_tokens_per_s = rec.n_tokens / rec.t_decode_s      # as GenStats.tokens_per_s
-            if rec.gamma is not None:
-                self.gamma = rec.gamma
+            if rec.gamma_mean is not None:
+                self.gamma = rec.gamma_mean
             if rec.ttft_s is not None:
                 i = next((k for k, b in enumerate(TTFT_BUCKETS) if rec.ttft_s <= b), len(TTFT_BUCKETS))
                 self.ttft_counts[i] += 1
                 self.ttft_sum += rec.ttft_s
                 self.ttft_n += 1
 
-    def observe_gamma(self, gamma: int) -> None:
+    def observe_gamma(self, gamma: float) -> None:
         with self._lock:
             self.gamma = gamma
 
@@ -113,7 +113,7 @@ class Metrics:
             rate = self.accepted / self.drafted if self.drafted else float("nan")
             metric("edgerun_acceptance_rate", "gauge", "Accepted / drafted tokens since start (NaN before any draft).",
                    [("", rate)])
-            metric("edgerun_gamma", "gauge", "Draft length of the latest speculative cycle (0: speculation off).",
+            metric("edgerun_gamma", "gauge", "Mean draft length per cycle in the last generation (0: speculation off).",
                    [("", float(self.gamma or 0))])
             out.append("# HELP edgerun_time_to_first_token_seconds Queue wait + prefill + first token.")
             out.append("# TYPE edgerun_time_to_first_token_seconds histogram")

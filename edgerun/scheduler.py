@@ -55,7 +55,6 @@ class JobResult:
     ttft_s: float | None = None
     error: BaseException | None = None
     started: bool = False
-    last_gamma: int | None = None      # draft length of the last cycle
 
     @property
     def finish_reason(self) -> str:
@@ -306,7 +305,6 @@ class Scheduler:
                 self._step_started = time.monotonic()
                 if res.ttft_s is None:
                     res.ttft_s = self._step_started - job.created
-                res.last_gamma = step.gamma
                 job._emit("step", step)
                 if job.stop_reason is not None:
                     res.outcome = job.stop_reason

@@ -329,7 +329,8 @@ class _State:
         self.metrics.record_generation(GenerationRecord(
             n_prompt_tokens=res.n_prompt_tokens, n_tokens=res.n_tokens,
             t_decode_s=max(0.0, st.t_total_s - st.t_prefill_s), n_drafted=st.n_drafted,
-            n_accepted=st.n_accepted, gamma=res.last_gamma, ttft_s=res.ttft_s, outcome=res.outcome))
+            n_accepted=st.n_accepted, gamma_mean=st.gamma_mean if st.n_cycles else None, ttft_s=res.ttft_s,
+            outcome=res.outcome))
 
     # event-loop side
     def begin_drain(self) -> None:

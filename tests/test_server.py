@@ -470,6 +470,30 @@ def test_server_output_equals_the_offline_runtime(tiny_llama):
     assert body["edgerun"]["finish"] == offline.finish_reason
 
 
+def test_speculative_stats_reach_the_response_and_metrics(tiny_llama):
+    """With a drafter (prompt lookup, gamma 2) the server reports drafted/accepted tokens and gamma,
+    and greedy speculative output is the same streamed or not."""
+    model = str(tiny_llama)
+
+    def load_spec():
+        return load(model, draft="lookup", gamma=2, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1)
+
+    body = {"model": model, "prompt": "one two three one two three one two three one two", "max_tokens": 24,
+            "temperature": 0}
+    with InProcessServer(ServerConfig(model=model), load_spec) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            full = client.post(COMPL, json=body).json()
+            chunks = stream_events(client, COMPL, body)
+        ext = full["edgerun"]
+        assert ext["drafter"] == "lookup" and ext["n_drafted"] > 0 and ext["n_cycles"] > 0
+        assert sum(ext["accept_histogram"]) >= 1 and 0 <= ext["n_accepted"] <= ext["n_drafted"]
+        assert streamed_text(chunks, chat=False) == full["choices"][0]["text"]
+        assert _metric(srv.url, "edgerun_draft_tokens_total") >= ext["n_drafted"]
+        assert _metric(srv.url, "edgerun_gamma") == pytest.approx(ext["gamma_mean"], abs=1e-5)
+        assert 0 < ext["gamma_mean"] <= 2
+
+
 # --- /metrics text ---------------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*"'
@@ -481,9 +505,9 @@ def test_metrics_exposition_format():
     m.count_request("/v1/completions", 200)
     m.count_request("/v1/completions", 503)
     m.record_generation(GenerationRecord(n_prompt_tokens=5, n_tokens=11, t_decode_s=2.0, n_drafted=8, n_accepted=6,
-                                         gamma=4, ttft_s=0.3, outcome="length"))
+                                         gamma_mean=4.0, ttft_s=0.3, outcome="length"))
     m.record_generation(GenerationRecord(n_prompt_tokens=0, n_tokens=0, t_decode_s=0.0, n_drafted=0, n_accepted=0,
-                                         gamma=None, ttft_s=None, outcome="cancelled"))
+                                         gamma_mean=None, ttft_s=None, outcome="cancelled"))
     text = m.render(queue_depth=2, queue_limit=8, busy=True, ready=True)
     values = {}
     for line in text.splitlines():
