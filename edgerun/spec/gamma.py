@@ -50,9 +50,9 @@ class GammaTuner:
     """Cost model + online acceptance -> gamma per cycle (see the module docstring for the formula)."""
 
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, alpha_prior: float = 0.6,
-                 prior_strength: float = 2.0, pool_strength: float = 4.0, supply_prior: float = 0.95,
+                 prior_strength: float = 1.0, pool_strength: float = 2.0, supply_prior: float = 0.95,
                  decay: float = 0.98, hysteresis: float = 0.03, explore_every: int = 16,
-                 explore_max: int = 256, time_ema: float = 0.2) -> None:
+                 explore_max: int = 256, warmup_cycles: int = 4, time_ema: float = 0.2) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not 0 < alpha_prior < 1 or not 0 < supply_prior <= 1:
@@ -69,6 +69,7 @@ class GammaTuner:
         self.supply_prior = supply_prior
         self.decay, self.hysteresis, self.time_ema = decay, hysteresis, time_ema
         self.explore_every, self.explore_max = explore_every, explore_max
+        self.warmup_cycles = warmup_cycles
         G = gamma_max
         # decayed counts per drafted position i = 1..G (index i - 1)
         self._acc = np.zeros(G)      # accepted
@@ -84,6 +85,7 @@ class GammaTuner:
         self._current = int(np.argmax(self.rates()))
         self._last = self._current
         self._since_explore = 0
+        self._n_drafting = 0                   # cycles observed with at least one drafted token
         self._explore_turn = 0
         self._explore_interval = explore_every
         self.n_explored = 0
@@ -158,14 +160,20 @@ class GammaTuner:
             self._since_explore = 0
         g = self._current
         self._since_explore += 1
-        if self._since_explore >= self._explore_interval:
+        if g == 0 and not self._could_win():
+            pass              # even perfect acceptance would not beat plain decoding: never draft
+        elif g == 0 and self._n_drafting < self.warmup_cycles:
+            # the first drafting cycles of a session happen whatever the prior says: acceptance is
+            # learned from data, not assumed (the tuner lives as long as the Runtime)
+            g = min(2, self.gamma_max)
+        elif self._since_explore >= self._explore_interval:
             # one exploratory cycle, ever rarer while the choice stands: off -> a short draft (keeps the
             # acceptance estimate current); on -> plain or a neighbour (keeps T_verify honest there)
             self._since_explore = 0
             self._explore_interval = min(2 * self._explore_interval, self.explore_max)
             self.n_explored += 1
             if g == 0:
-                g = max(1, min(2, int(np.argmax(rates[1:])) + 1))
+                g = min(2, self.gamma_max)
             else:
                 cands = [c for c in (0, g + 1, g - 1) if 0 <= c <= self.gamma_max and c != g]
                 g = cands[self._explore_turn % len(cands)]
@@ -180,8 +188,13 @@ class GammaTuner:
         asked = min(max(self._last, gamma), self.gamma_max)
         m = min(gamma, self.gamma_max)
         k = self.time_ema
+        # per cycle, drafted or not, so old text weighs less and less; slower while speculation is
+        # off, so the sparse exploratory cycles add up to an estimate instead of fading into the prior
+        d = self.decay if self._current > 0 else self.decay ** 0.25
         for arr in (self._acc, self._seen, self._asked, self._got):
-            arr *= self.decay             # per cycle, drafted or not: old text weighs less and less
+            arr *= d
+        if m > 0:
+            self._n_drafting += 1
         if asked > 0:
             # supply: positions 1..m supplied; position m + 1 asked but not supplied
             self._asked[:m] += 1
@@ -211,6 +224,14 @@ class GammaTuner:
             self._td_ratio = (1 - k) * self._td_ratio + k * r
         elif m == 0 and asked > 0:
             self._t_miss = (1 - k) * self._t_miss + k * t_draft
+
+    def _could_win(self) -> bool:
+        """Whether some gamma beats plain decoding by the hysteresis margin if every draft were accepted."""
+        G = self.gamma_max
+        tv = np.array([self.t_verify(n) for n in range(1, G + 2)])       # tv [G + 1]
+        g = np.arange(1, G + 1)
+        best = ((g + 1.0) / (g * self.t_draft() + tv[1:])).max()       # all g drafted and accepted
+        return bool(best > (1.0 + self.hysteresis) / tv[0])
 
     @property
     def gamma(self) -> int:
