@@ -80,6 +80,8 @@ class GammaTuner:
         n_tab = G + 2                # index n = 1..G + 1 (index 0 unused)
         self._tv_obs = np.zeros(n_tab)
         self._tv_n = np.zeros(n_tab)              # observations behind _tv_obs[n], capped at 1 / time_ema
+        self._tv_cache: np.ndarray | None = None
+        self._curve = np.array([np.nan] + [cost.verify(n) for n in range(1, n_tab)])   # index n = 1..G + 1
         self._td_ratio = 1.0
         self._t_miss = 0.0
         self._current = int(np.argmax(self.rates()))
@@ -119,33 +121,45 @@ class GammaTuner:
     def t_verify(self, n: int) -> float:
         """T_verify(n): the curve times the observed/curve ratio (interpolated over the n the loop has
         run, 1.0 before any), blended where n itself was run with its own observed mean."""
-        pred = self.cost.verify(n)
+        if n <= self.gamma_max + 1:
+            return float(self._tv_table()[n - 1])
+        return float(self._tv_at(np.array([n]))[0])
+
+    def _tv_at(self, n: np.ndarray) -> np.ndarray:
+        curve = self._curve                                                 # curve [G + 2]: T(n) prior, index n
+        pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])   # pred [len(n)]
         seen = np.flatnonzero(self._tv_n > 0)
         if seen.size:
-            ratio = self._tv_obs[seen] / np.array([self.cost.verify(int(k)) for k in seen])
-            pred *= float(np.interp(n, seen, ratio))
-        if n < len(self._tv_n) and self._tv_n[n] > 0:
-            w = self._tv_n[n]                    # observations count as w against the prediction's 1
-            return float((pred + w * self._tv_obs[n]) / (1.0 + w))
-        return pred
+            pred = pred * np.interp(n, seen, self._tv_obs[seen] / curve[seen])
+        inside = n < len(self._tv_n)
+        w = np.zeros(len(n))
+        obs = np.zeros(len(n))
+        w[inside] = self._tv_n[n[inside]]           # observations count as w against the prediction's 1
+        obs[inside] = self._tv_obs[n[inside]]
+        return (pred + w * obs) / (1.0 + w)
+
+    def _tv_table(self) -> np.ndarray:
+        """T_verify(n) for n = 1..gamma_max + 1, recomputed only after an observation."""
+        if self._tv_cache is None:
+            self._tv_cache = self._tv_at(np.arange(1, self.gamma_max + 2))
+        return self._tv_cache
 
     def t_draft(self) -> float:
         return self.cost.t_draft * self._td_ratio
 
     def rates(self) -> np.ndarray:
-        """Predicted tokens/s for gamma = 0..gamma_max."""
-        G = self.gamma_max
+        """Predicted tokens/s for gamma = 0..gamma_max (vectorised: this runs every cycle)."""
         a, s = self.acceptance(), self.supply()
         D = np.concatenate([[1.0], np.cumprod(s)])          # D [G + 1]: P(at least k drafted | asked >= k)
         A = np.cumprod(s * a)                               # A [G]: P(positions 1..k drafted and accepted)
-        tv = np.array([self.t_verify(n) for n in range(1, G + 2)])   # tv [G + 1]: T_verify(m + 1), m = 0..G
-        td = self.t_draft()
-        out = np.empty(G + 1)
+        tv = self._tv_table()                               # tv [G + 1]: T_verify(m + 1), m = 0..G
+        # asking for g: exactly m < g drafted with P = D[m] - D[m + 1], all g with P = D[g]
+        stop_before = np.concatenate([[0.0], np.cumsum((D[:-1] - D[1:]) * tv[:-1])])   # [G + 1], index g
+        cost = (self.t_draft() * np.concatenate([[0.0], np.cumsum(D[1:])])
+                + stop_before + D * tv + (D[0] - D[1]) * self._t_miss)                 # cost [G + 1]
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(A)])                         # tokens [G + 1]
+        out = tokens / cost
         out[0] = 1.0 / tv[0]
-        for g in range(1, G + 1):
-            p_m = D[: g + 1] - np.append(D[1: g + 1], 0.0)  # p_m [g + 1]: P(exactly m drafted), m = 0..g
-            cost = td * D[1: g + 1].sum() + p_m @ tv[: g + 1] + p_m[0] * self._t_miss
-            out[g] = (1.0 + A[:g].sum()) / cost
         return out
 
     # -- the policy --------------------------------------------------------------------------
@@ -212,6 +226,7 @@ class GammaTuner:
         # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
         # machine is a spike, not a new cost level; a real change still arrives within a few cycles)
         if n < len(self._tv_obs) and t_verify > 0:
+            self._tv_cache = None
             c = self._tv_n[n]
             if c == 0:
                 self._tv_obs[n] = t_verify          # the prior may be far off: the first sample is taken whole
@@ -228,7 +243,7 @@ class GammaTuner:
     def _could_win(self) -> bool:
         """Whether some gamma beats plain decoding by the hysteresis margin if every draft were accepted."""
         G = self.gamma_max
-        tv = np.array([self.t_verify(n) for n in range(1, G + 2)])       # tv [G + 1]
+        tv = self._tv_table()                                           # tv [G + 1]
         g = np.arange(1, G + 1)
         best = ((g + 1.0) / (g * self.t_draft() + tv[1:])).max()       # all g drafted and accepted
         return bool(best > (1.0 + self.hysteresis) / tv[0])
