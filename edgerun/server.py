@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .errors import ContextOverflow, EdgerunError, InvalidArgument, ModelNotFound
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -570,11 +571,15 @@ async def _read_json(request, limit: int) -> Any:
             raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}",
                            code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the connection while sending the request",
+                       code="client_closed_request") from None
     raw = b"".join(chunks)
 
     def no_constants(name: str):
