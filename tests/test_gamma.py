@@ -195,3 +195,34 @@ def test_roofline_prior_shapes():
     lk = CostCurve.roofline(target_bytes=10 ** 8, bandwidth_gbs=20, peak_gflops=100, lookup=True)
     assert 0 < lk.t_draft < 1e-3
     assert cpu.verify(20) > cpu.verify(16)   # extrapolated past the table
+
+
+# --- the tuner inside the real decode loop ----------------------------------------------------
+
+def test_auto_gamma_in_the_decode_loop_keeps_greedy_output(tiny_llama, tmp_path, monkeypatch):
+    """GammaTuner built as the runtime builds it (measured cost curve of a real llama.cpp backend)
+    drives generate() with a model drafter; greedy output equals plain greedy decoding."""
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    from edgerun.backends.llamacpp import LlamaCppBackend
+    from edgerun.config import BackendArgs, SamplingArgs, SpeculativeArgs
+    from edgerun.generate import GenStats, generate
+    from edgerun.profile import load_profile
+    from edgerun.spec.drafters import ModelDrafter
+
+    args = BackendArgs(n_ctx=256, n_threads=1)
+    target = LlamaCppBackend(tiny_llama, args)
+    drafter = ModelDrafter(LlamaCppBackend(tiny_llama, args), target)     # the model drafts for itself
+    try:
+        tuner = GammaTuner.for_runtime(load_profile("generic-x86_64-cpu"), target, drafter, SpeculativeArgs())
+        assert tuner.cost.source == "measured" and len(tuner.cost.t_verify) == 9
+        prompt = target.tokenizer.tokenize("hello world, hello world, hello")
+        greedy = SamplingArgs(temperature=0.0)
+        plain = [s.token for s in generate(target, prompt, greedy, max_tokens=40)]
+        st = GenStats()
+        auto = [s.token for s in generate(target, prompt, greedy, max_tokens=40, drafter=drafter, policy=tuner,
+                                          stats=st)]
+        assert auto == plain
+        assert st.n_drafted > 0 and st.acceptance_rate == 1.0      # warm-up drafted; self-drafts always match
+    finally:
+        drafter.close()
+        target.close()
