@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgerun.cli import main
-from tinymodel import tiny_weights, write_hf_checkpoint, write_tiny_model
+from tinymodel import tiny_weights, write_hf_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from .. import __version__
 from ..arch import ModelConfig
 from ..calib import load_text, token_sequences, tokens_sha256
 from ..config import QuantArgs
-from ..errors import EdgerunError, InvalidArgument, QuantizationError
+from ..errors import InvalidArgument, QuantizationError
 from ..gguf_io import KV, GGUFSource, HFSource, TensorPlan, hparam_kv, open_source, source_kv, write_gguf
 from ..reference.llama import block_forward
 from . import awq
@@ -187,12 +187,21 @@ def _vocab_gguf(src: HFSource, directory: Path) -> Path:
     return p
 
 
-def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs = QuantArgs(), *,
+def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs | None = None, *,
              progress: Progress | None = None, n_search: int = 512, seed: int = 0,
-             pull: bool = True) -> QuantReport:
-    """Quantize a GGUF / HF checkpoint / registry model to an INT4 GGUF at `out`; return a report."""
+             pull: bool = True, **options) -> QuantReport:
+    """Quantize a GGUF / HF checkpoint / registry model to an INT4 GGUF at `out`; return a report.
+
+    `args` (or the same fields as keyword options: method="awq", format="q4_0", calib="builtin",
+    calib_tokens=4096, embed_type="q8_0", grid=20) chooses what is done; n_search calibration
+    tokens score the candidates; seed picks them (the result is deterministic for a seed).
+    """
     import tempfile
 
+    if args is None:
+        args = QuantArgs(**options)
+    elif options:
+        raise InvalidArgument(f"pass either a QuantArgs or keyword options, not both (got {sorted(options)})")
     t0 = time.perf_counter()
     if args.format not in FILE_TYPE:
         raise QuantizationError(f"target format {args.format!r} is not supported; expected one of {sorted(FILE_TYPE)}")
