@@ -384,6 +384,7 @@ def write_gguf(path: str | Path, arch: str, kvs: Sequence[KV], plan: Sequence[Te
             os.fsync(f.fileno())
         w.close()
         w = None
+        os.chmod(tmp, 0o644)              # mkstemp creates 0600; a model file is meant to be shared
         os.replace(tmp, path)
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
