@@ -249,6 +249,7 @@ def main() -> None:
         r["greedy_tokens_equal"] = {"onnx_vs_llamacpp": toks["onnx"] == toks["llamacpp"],
                                     **({"onnx_vs_genai": toks["onnx"] == toks["genai"]} if genai else {})}
         result["models"][name] = r
+        save(result, Path(a.out))                 # partial results survive an interrupted run
 
     if a.spec_pair != "none":
         t_name, d_name = a.spec_pair.split(":")
@@ -299,11 +300,16 @@ def main() -> None:
             "errors": {k: v[0] for k, v in out_toks.items() if k.endswith("error")},
         }
 
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save(result, Path(a.out))
     print_table(result)
-    print(f"\nwrote {out}")
+    print(f"\nwrote {a.out}")
+
+
+def save(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, out)
 
 
 def print_table(r: dict) -> None:
