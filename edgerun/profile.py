@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 import psutil
 import yaml
 
+from . import strict_yaml
 from .config import BackendArgs
 from .errors import EdgerunError, InvalidArgument, MemoryBudgetError, ProfileError
 
@@ -144,22 +145,6 @@ _NOT_KEYS = {"path"}
 # Strict YAML -> dataclass conversion
 # ----------------------------------------------------------------------------------------------
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (a silent override is a typo waiting to happen)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -168,7 +153,7 @@ def _read_yaml(path: Path) -> dict:
     except OSError as e:
         raise ProfileError(f"cannot read profile file {path}: {e.strerror}") from e
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = strict_yaml.load(text)
     except yaml.YAMLError as e:
         raise ProfileError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(data, dict):

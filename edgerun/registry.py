@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Sequence
 
 import yaml
 
+from . import strict_yaml
 from .errors import ChecksumError, ModelFormatError, ModelNotFound, RegistryError
 
 try:  # POSIX advisory locks keep two pulls of one model from racing; absent on Windows
@@ -100,22 +101,6 @@ class Manifest:
 # manifests
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (each key may appear once)", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 # key -> (type, required); types are exact: YAML reads 1.0 as a float, so versions must be quoted
 _MANIFEST_KEYS: dict[str, tuple[type, bool]] = {
@@ -184,7 +169,7 @@ def parse_manifest(path: Path) -> Manifest:
     """Read and validate one manifest file (strict: unknown or duplicate keys are errors)."""
     path = Path(path)
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+        data = strict_yaml.load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise RegistryError(f"cannot read manifest {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
