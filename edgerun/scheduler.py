@@ -113,7 +113,7 @@ class Scheduler:
                  on_load_error: Callable[[BaseException], None] | None = None,
                  on_result: Callable[[JobResult], None] | None = None) -> None:
         if not isinstance(queue_limit, int) or queue_limit < 0:
-            raise ValueError(f"queue_limit must be an integer >= 0, got {queue_limit!r}")
+            raise InvalidArgument(f"queue_limit must be an integer >= 0, got {queue_limit!r}")
         self.queue_limit = queue_limit
         self._load = load
         self._on_ready = on_ready
