@@ -61,6 +61,8 @@ class GammaTuner:
         if not 0 < decay <= 1 or hysteresis < 0 or not 0 < time_ema <= 1:
             raise InvalidArgument(f"need 0 < decay <= 1, hysteresis >= 0, 0 < time_ema <= 1; "
                                   f"got {decay}, {hysteresis}, {time_ema}")
+        if warmup_cycles < 0:
+            raise InvalidArgument(f"warmup_cycles must be >= 0, got {warmup_cycles}")
         if explore_every < 1 or explore_max < explore_every:
             raise InvalidArgument(f"need 1 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
         self.cost = cost
@@ -76,7 +78,7 @@ class GammaTuner:
         self._seen = np.zeros(G)     # verified with every earlier position accepted
         self._asked = np.zeros(G)    # drafter was asked for position i (and supplied i - 1)
         self._got = np.zeros(G)      # ... and supplied it
-        # observed times: EMA of T_verify(n) per n, ratio observed/curve (verify, draft), lookup miss cost
+        # observed times: EMA of T_verify(n) per n, draft time / curve ratio, cost of a drafter miss
         n_tab = G + 2                # index n = 1..G + 1 (index 0 unused)
         self._tv_obs = np.zeros(n_tab)
         self._tv_n = np.zeros(n_tab)              # observations behind _tv_obs[n], capped at 1 / time_ema
