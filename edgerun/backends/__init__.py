@@ -36,7 +36,7 @@ def model_memory(path: str | Path, n_ctx: int) -> tuple[int, int]:
         from ..ggufmeta import read_info
 
         if tok.exists():
-            kv = read_info(tok).kv_cache_bytes(n_ctx)
+            kv = read_info(tok).kv_cache_bytes(n_ctx, bytes_per_value=4)   # the ONNX backend keeps f32 K/V
         return weights, kv
     from ..ggufmeta import read_info
 
