@@ -207,7 +207,11 @@ def main() -> None:
     ap.add_argument("--scenarios", default="code,prose,q4draft,lookup,selfcheck,peer")
     ap.add_argument("--tools", default=None, help="directory with llama-speculative-simple and llama-quantize")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec.json"))
+    ap.add_argument("--summarise", metavar="JSON", help="only print the markdown summary of an earlier run")
     a = ap.parse_args()
+    if a.summarise:
+        print(summary_markdown(json.loads(Path(a.summarise).read_text())))
+        return
     gammas = [int(g) for g in a.gammas.split(",")]
     scen = set(a.scenarios.split(","))
     tools = Path(a.tools) if a.tools else None
@@ -282,6 +286,32 @@ def main() -> None:
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, out)
     print_table(result)
+    print()
+    print(summary_markdown(result))
+
+
+def summary_markdown(result: dict) -> str:
+    """Per scenario and gamma, over its prompts: median speedup, mean alpha, measured/predicted range,
+    runs equal to plain greedy, median edgerun/llama.cpp ratio."""
+    import statistics
+
+    lines = ["| scenario | gamma | speedup vs plain (median) | alpha | measured / Leviathan | = plain greedy "
+             "| edgerun / llama.cpp |", "|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in result["rows"]:
+        groups.setdefault((r["scenario"], r["gamma"]), []).append(r)
+    for (scen, g), rows in groups.items():
+        if g == 0:
+            lines.append(f"| {scen} | 0 (plain) | 1.00 ({statistics.median(r['tok_s'] for r in rows):.1f} tok/s) "
+                         f"| | | | |")
+            continue
+        mp = [r["measured_over_predicted"] for r in rows]
+        ratios = [r["edgerun_over_peer"] for r in rows if "edgerun_over_peer" in r]
+        lines.append(f"| {scen} | {g} | {statistics.median(r['speedup'] for r in rows):.2f} "
+                     f"| {statistics.mean(r['alpha'] for r in rows):.2f} | {min(mp):.2f}-{max(mp):.2f} "
+                     f"| {sum(r['same_as_plain'] for r in rows)}/{len(rows)} "
+                     f"| {f'{statistics.median(ratios):.2f}' if ratios else '-'} |")
+    return "\n".join(lines)
 
 
 def print_table(result: dict) -> None:
