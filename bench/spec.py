@@ -112,16 +112,19 @@ def run_one(rt, prompt_tokens: list[int], n: int, gamma: int) -> dict:
 
 
 def sweep(rt, name: str, prompts: list[list[int]], gammas: list[int], n: int, peer=None) -> list[dict]:
+    """Per prompt: a plain run right before each speculative run (the machine's speed drifts; each
+    speedup is against its neighbour), and the peer right after it."""
+    import statistics
+
     rows = []
     for pi, prompt in enumerate(prompts):
         run_one(rt, prompt, 8, 0)                              # warm-up: page in weights, fill the prefix cache
-        plain = run_one(rt, prompt, n, 0)
-        plain.update(scenario=name, prompt=pi, speedup=1.0, same_as_plain=True)
-        rows.append(plain)
-        log_row(plain)
+        plains, spec_rows = [], []
         for g in gammas:
+            plain = run_one(rt, prompt, n, 0)
+            plains.append(plain)
             r = run_one(rt, prompt, n, g)
-            r.update(scenario=name, prompt=pi, speedup=r["tok_s"] / plain["tok_s"],
+            r.update(scenario=name, prompt=pi, plain_tok_s=plain["tok_s"], speedup=r["tok_s"] / plain["tok_s"],
                      predicted_speedup=r["predicted_tok_s"] / plain["tok_s"],
                      same_as_plain=r["tokens"] == plain["tokens"][:len(r["tokens"])])
             if peer is not None:
@@ -129,8 +132,12 @@ def sweep(rt, name: str, prompts: list[list[int]], gammas: list[int], n: int, pe
                 r["peer"] = p
                 if p.get("tok_s"):
                     r["edgerun_over_peer"] = r["tok_s"] / p["tok_s"]
-            rows.append(r)
+            spec_rows.append(r)
             log_row(r)
+        base = dict(plains[0])
+        base.update(scenario=name, prompt=pi, tok_s=statistics.median(x["tok_s"] for x in plains),
+                    plain_tok_s_runs=[x["tok_s"] for x in plains], speedup=1.0, same_as_plain=True)
+        rows += [base, *spec_rows]
     return rows
 
 
@@ -141,7 +148,8 @@ def log_row(r: dict) -> None:
                  f"meas/pred {r['measured_over_predicted']:.2f} same {r['same_as_plain']}")
         if "peer" in r:
             extra += f" peer {r['peer'].get('tok_s', float('nan')):.1f}"
-    print(f"  [{r['scenario']} p{r['prompt']} g{r['gamma']}] {r['tok_s']:.1f} tok/s{extra}", file=sys.stderr,
+    print(f"  [{r['scenario']} p{r['prompt']} g{r['gamma']}] {r['tok_s']:.1f} tok/s (plain {r['plain_tok_s']:.1f}){extra}",
+          file=sys.stderr,
           flush=True)
 
 
