@@ -15,9 +15,12 @@ posteriors over exponentially decayed counts, shrunk towards their pooled mean, 
 borrow strength from early ones. T_verify(n) and T_draft come from the device's CostCurve
 (measured, or a roofline before measuring), corrected by the times the loop observes. g = 0 is
 plain decoding (rate 1 / T_verify(1)) and is chosen whenever speculation is not predicted to win.
-Now and then (exponential back-off while the choice stands) one exploratory cycle runs: a short
-draft while speculation is off, so a change in the text can turn it back on; plain or a neighbouring
-gamma while it is on, so the observed costs stay honest where the prior curve was wrong. A switch needs a predicted gain over the current gamma
+The first few drafting cycles of a session happen whatever the prior says (acceptance is learned,
+not assumed), unless even perfect acceptance could not beat plain decoding. Now and then
+(exponential back-off while the choice stands) one exploratory cycle runs: a one-token draft while
+speculation is off, spaced so that losing drafts cost at most 1% of the decode time, so a change in
+the text can turn speculation back on; plain or a neighbouring gamma while it is on, so the
+observed costs stay honest where the prior curve was wrong. A switch needs a predicted gain over the current gamma
 (hysteresis), so gamma does not oscillate between near-equal choices.
 """
 
@@ -52,7 +55,8 @@ class GammaTuner:
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, alpha_prior: float = 0.6,
                  prior_strength: float = 1.0, pool_strength: float = 2.0, supply_prior: float = 0.95,
                  decay: float = 0.98, hysteresis: float = 0.03, explore_every: int = 16,
-                 explore_max: int = 256, warmup_cycles: int = 4, time_ema: float = 0.2) -> None:
+                 explore_max: int = 256, explore_budget: float = 0.01, warmup_cycles: int = 4,
+                 time_ema: float = 0.2) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not 0 < alpha_prior < 1 or not 0 < supply_prior <= 1:
@@ -61,6 +65,8 @@ class GammaTuner:
         if not 0 < decay <= 1 or hysteresis < 0 or not 0 < time_ema <= 1:
             raise InvalidArgument(f"need 0 < decay <= 1, hysteresis >= 0, 0 < time_ema <= 1; "
                                   f"got {decay}, {hysteresis}, {time_ema}")
+        if not 0 < explore_budget <= 1:
+            raise InvalidArgument(f"explore_budget must be in (0, 1], got {explore_budget}")
         if warmup_cycles < 0:
             raise InvalidArgument(f"warmup_cycles must be >= 0, got {warmup_cycles}")
         if explore_every < 1 or explore_max < explore_every:
@@ -72,6 +78,7 @@ class GammaTuner:
         self.decay, self.hysteresis, self.time_ema = decay, hysteresis, time_ema
         self.explore_every, self.explore_max = explore_every, explore_max
         self.warmup_cycles = warmup_cycles
+        self.explore_budget = explore_budget
         G = gamma_max
         # decayed counts per drafted position i = 1..G (index i - 1)
         self._acc = np.zeros(G)      # accepted
@@ -182,14 +189,15 @@ class GammaTuner:
             # the first drafting cycles of a session happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
             g = min(2, self.gamma_max)
-        elif self._since_explore >= self._explore_interval:
-            # one exploratory cycle, ever rarer while the choice stands: off -> a short draft (keeps the
-            # acceptance estimate current); on -> plain or a neighbour (keeps T_verify honest there)
+        elif self._since_explore >= self._explore_interval and (g > 0 or self._since_explore >= self._off_gap()):
+            # one exploratory cycle, ever rarer while the choice stands: off -> a one-token draft (keeps
+            # the acceptance estimate current; never more often than the exploration budget allows);
+            # on -> plain or a neighbour (keeps T_verify honest there)
             self._since_explore = 0
             self._explore_interval = min(2 * self._explore_interval, self.explore_max)
             self.n_explored += 1
             if g == 0:
-                g = min(2, self.gamma_max)
+                g = 1
             else:
                 cands = [c for c in (0, g + 1, g - 1) if 0 <= c <= self.gamma_max and c != g]
                 g = cands[self._explore_turn % len(cands)]
@@ -241,6 +249,13 @@ class GammaTuner:
             self._td_ratio = (1 - k) * self._td_ratio + k * r
         elif m == 0 and asked > 0:
             self._t_miss = (1 - k) * self._t_miss + k * t_draft
+
+    def _off_gap(self) -> float:
+        """Plain cycles between exploratory one-token drafts so that a losing draft costs at most
+        explore_budget of the decode time: (T_draft + T_verify(2) - T_verify(1)) / (budget x T_verify(1))."""
+        tv = self._tv_table()
+        loss = max(self.t_draft() + tv[1] - tv[0], 0.0)
+        return loss / (self.explore_budget * tv[0])
 
     def _could_win(self) -> bool:
         """Whether some gamma beats plain decoding by the hysteresis margin if every draft were accepted."""
