@@ -12,11 +12,12 @@ Workloads (registry models, pulled into the cache on first use):
   prose      the same pair, chat prompts asking for prose
   summarise  smollm2-135m-instruct + prompt-lookup drafter, summarise-this-text prompt
   chat       smollm2-135m-instruct + prompt-lookup drafter, free-form chat prompts
+  repeat     smollm2-135m-instruct + prompt-lookup drafter, "repeat this text": a case where drafting wins
 
 Targets (issue 4): auto >= 95% of the best fixed gamma on every workload, and >= 98% of plain.
 
     nice python bench/tuner.py [--tokens 128] [--threads 2] [--gammas 1,2,3,4,6,8] [--rounds 1]
-        [--workloads code,prose,summarise,chat]
+        [--workloads code,prose,summarise,chat,repeat]
 
 Writes bench/results/tuner.json and prints a table.
 """
@@ -58,6 +59,13 @@ def summarise_prompt() -> str:
     return f"Summarise the following text in a few sentences.\n\n{text}"
 
 
+def repeat_prompt() -> str:
+    from pydoc_data.topics import topics
+
+    text = " ".join(topics["pass"].split())[:600]
+    return f"Repeat the following text exactly, word for word.\n\n{text}"
+
+
 def workloads(selected: set[str]) -> list[dict]:
     out = []
     if "code" in selected:
@@ -68,6 +76,8 @@ def workloads(selected: set[str]) -> list[dict]:
         out.append({"name": "summarise", "model": SMALL, "draft": "lookup", "chat": [summarise_prompt()]})
     if "chat" in selected:
         out.append({"name": "chat", "model": SMALL, "draft": "lookup", "chat": CHAT})
+    if "repeat" in selected:
+        out.append({"name": "repeat", "model": SMALL, "draft": "lookup", "chat": [repeat_prompt()]})
     return out
 
 
@@ -168,7 +178,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--gammas", default="1,2,3,4,6,8")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--workloads", default="code,prose,summarise,chat")
+    ap.add_argument("--workloads", default="code,prose,summarise,chat,repeat")
     ap.add_argument("--profile", default="auto")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tuner.json"))
     a = ap.parse_args()
