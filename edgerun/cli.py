@@ -5,7 +5,6 @@ Every EdgerunError becomes one line on stderr (`error: ...`) and exit code 2, ne
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sys

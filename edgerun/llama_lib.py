@@ -12,7 +12,7 @@ import os
 import threading
 from pathlib import Path
 
-from .errors import BackendError, ModelFormatError, ModelNotFound
+from .errors import BackendError, ModelFormatError
 
 log = logging.getLogger("edgerun.llama")
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .arch import ModelConfig, config_from_gguf_fields, get_arch
+from .arch import ModelConfig, get_arch
 from .errors import InvalidArgument, ModelFormatError, ModelNotFound
 from .quant.formats import q4_0_to_matmulnbits
 

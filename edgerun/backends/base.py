@@ -37,3 +37,20 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) -> tuple[list[int], int]:
+    """The argument checks every backend's eval makes. Returns (tokens as ints, k logits rows to return)."""
+    from ..errors import ContextOverflow, InvalidArgument
+
+    toks = [int(t) for t in tokens]
+    n = len(toks)
+    k = n if n_logits is None else max(0, min(n_logits, n))
+    if backend.n_past + n > backend.n_ctx:
+        raise ContextOverflow(
+            f"{backend.n_past} cached + {n} new positions exceed the context of {backend.n_ctx}; "
+            f"load the model with a larger n_ctx or shorten the input")
+    bad = [t for t in toks if not 0 <= t < backend.n_vocab]
+    if bad:
+        raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{backend.n_vocab - 1})")
+    return toks, k

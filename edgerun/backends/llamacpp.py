@@ -6,16 +6,16 @@ rollback is llama_memory_seq_rm on the single sequence.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from .base import check_eval
 from .. import llama_lib
 from ..config import BackendArgs
-from ..errors import BackendError, ContextOverflow, InvalidArgument
+from ..errors import BackendError, InvalidArgument
 from ..tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -78,15 +78,8 @@ class LlamaCppBackend:
         return self.tokenizer.vocab_fingerprint
 
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
+        tokens, k = check_eval(self, tokens, n_logits)
         n = len(tokens)
-        k = n if n_logits is None else min(n_logits, n)
-        if self.n_past + n > self.n_ctx:
-            raise ContextOverflow(
-                f"{self.n_past} cached + {n} new positions exceed the context of {self.n_ctx}; "
-                f"load the model with a larger n_ctx or shorten the input")
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         L = llama_lib.lib()
         out = np.empty((k, self.n_vocab), dtype=np.float32)
         filled = 0

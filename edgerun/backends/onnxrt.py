@@ -15,8 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .base import check_eval
 from ..config import BackendArgs
-from ..errors import BackendError, ContextOverflow, InvalidArgument, ModelFormatError
+from ..errors import BackendError, InvalidArgument, ModelFormatError
 from ..onnx_export import (LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value,
                            read_config)
 from ..tokenizer import Tokenizer
@@ -191,16 +192,8 @@ class OnnxBackend:
         return self.config.vocab_fingerprint
 
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
-        tokens = [int(t) for t in tokens]
+        tokens, k = check_eval(self, tokens, n_logits)
         n = len(tokens)
-        k = n if n_logits is None else max(0, min(n_logits, n))
-        if self.n_past + n > self.n_ctx:
-            raise ContextOverflow(
-                f"{self.n_past} cached + {n} new positions exceed the context of {self.n_ctx}; "
-                f"load the model with a larger n_ctx or shorten the input")
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         out = np.empty((k, self.n_vocab), dtype=np.float32)
         filled = 0
         for start in range(0, n, self.n_batch):

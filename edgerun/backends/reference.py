@@ -12,7 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import ContextOverflow, InvalidArgument
+from .base import check_eval
+from ..errors import InvalidArgument
 from ..reference.llama import ReferenceModel
 
 
@@ -54,15 +55,8 @@ class ReferenceBackend:
         return self.tokenizer.vocab_fingerprint
 
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
-        tokens = [int(t) for t in tokens]
+        tokens, k = check_eval(self, tokens, n_logits)
         n = len(tokens)
-        k = n if n_logits is None else max(0, min(n_logits, n))
-        if self.n_past + n > self.n_ctx:
-            raise ContextOverflow(f"{self.n_past} cached + {n} new positions exceed the context of "
-                                  f"{self.n_ctx}; use a larger n_ctx or a shorter input")
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         if n == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
         logits = self.model.forward(tokens, self._cache)       # [n, V]
