@@ -28,9 +28,9 @@ QK = 32                       # elements per block (Q4_0, Q4_1, Q8_0, MatMulNBit
 FORMATS = ("q4_0", "q4_1", "q8_0")
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 
-# Default search grids: Q4_0 tries d = amax_signed / -(8 - k) for these k; Q4_1 shrinks the range
-# [min, max] from each end by these fractions of (max - min).
-Q4_0_DIVISORS = tuple(8.0 - 0.25 * i for i in range(-2, 9))      # 8.5 .. 6.0
+# Default search grids: Q4_0 tries d = amax_signed / -k for these k (each followed by a weighted
+# least-squares refit of d); Q4_1 shrinks the range [min, max] from each end by these fractions.
+Q4_0_DIVISORS = tuple(round(6.0 + 0.2 * i, 1) for i in range(16))   # 6.0 .. 9.0
 Q4_1_SHRINK = (0.0, 0.03, 0.06, 0.1, 0.15)
 
 
@@ -202,9 +202,10 @@ def search_params(fmt: str, w: np.ndarray, weight: np.ndarray | None = None,
                   divisors=Q4_0_DIVISORS, shrink=Q4_1_SHRINK) -> BlockParams:
     """Choose each block's d (and m) minimising its weighted error (never worse than round-to-nearest).
 
-    Candidates: Q4_0 d = signed max / -k for k in `divisors`; Q4_1 the range [min, max] shrunk
-    from each end by the fractions in `shrink`; then one weighted least-squares refit of d (and m)
-    for the best codes. Every candidate is scored with fp16-rounded d, m exactly as stored.
+    Candidates: Q4_0 d = signed max / -k for k in `divisors`, each also refitted by weighted
+    least squares for its codes; Q4_1 the range [min, max] shrunk from each end by the fractions in
+    `shrink`, then one weighted least-squares refit of (d, m) for the best codes. Every candidate is
+    scored with fp16-rounded d, m exactly as stored.
     """
     _check(fmt, w)
     if fmt == "q8_0":
@@ -228,13 +229,14 @@ def search_params(fmt: str, w: np.ndarray, weight: np.ndarray | None = None,
         imax = np.abs(x).argmax(axis=-1)[..., None]
         mx = np.take_along_axis(x, imax, axis=-1)[..., 0]          # [rows, nb] signed max
         for k in divisors:
-            consider(BlockParams((mx / np.float32(-k)).astype(np.float16)))
-        # weighted least squares for d given the best codes: d = <c, x>_G / <c, c>_G, c = q - 8
-        c = _codes_given(fmt, x, best).astype(np.float32) - 8
-        num, den = _quad(c, x, weight), _quad(c, c, weight)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            d_ls = np.where(den > 0, num / den, best.d.astype(np.float32))
-        consider(BlockParams(d_ls.astype(np.float16)))
+            p = BlockParams((mx / np.float32(-k)).astype(np.float16))
+            consider(p)
+            # weighted least squares for d given these codes: d = <c, x>_G / <c, c>_G, c = q - 8
+            c = _codes_given(fmt, x, p).astype(np.float32) - 8
+            num, den = _quad(c, x, weight), _quad(c, c, weight)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                d_ls = np.where(den > 0, num / den, p.d.astype(np.float32))
+            consider(BlockParams(d_ls.astype(np.float16)))
     else:
         mx, mn = x.max(axis=-1), x.min(axis=-1)                    # [rows, nb]
         rng = mx - mn
