@@ -56,7 +56,7 @@ class GammaTuner:
                  prior_strength: float = 1.0, pool_strength: float = 2.0, supply_prior: float = 0.95,
                  decay: float = 0.98, hysteresis: float = 0.03, explore_every: int = 16,
                  explore_max: int = 256, explore_budget: float = 0.01, warmup_cycles: int = 4,
-                 time_ema: float = 0.2) -> None:
+                 time_ema: float = 0.2, shape_rate: float = 0.05) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not 0 < alpha_prior < 1 or not 0 < supply_prior <= 1:
@@ -79,6 +79,7 @@ class GammaTuner:
         self.explore_every, self.explore_max = explore_every, explore_max
         self.warmup_cycles = warmup_cycles
         self.explore_budget = explore_budget
+        self.shape_rate = shape_rate
         G = gamma_max
         # decayed counts per drafted position i = 1..G (index i - 1)
         self._acc = np.zeros(G)      # accepted
@@ -87,8 +88,9 @@ class GammaTuner:
         self._got = np.zeros(G)      # ... and supplied it
         # observed times: EMA of T_verify(n) per n, draft time / curve ratio, cost of a drafter miss
         n_tab = G + 2                # index n = 1..G + 1 (index 0 unused)
-        self._tv_obs = np.zeros(n_tab)
-        self._tv_n = np.zeros(n_tab)              # observations behind _tv_obs[n], capped at 1 / time_ema
+        self._load = 1.0                          # observed / curve, common to every n (fast)
+        self._shape = np.ones(n_tab)              # per-n correction of the curve's form (slow), index n
+        self._shape_n = np.zeros(n_tab)           # observations behind _shape[n]
         self._tv_cache: np.ndarray | None = None
         self._curve = np.array([np.nan] + [cost.verify(n) for n in range(1, n_tab)])   # index n = 1..G + 1
         self._td_ratio = 1.0
@@ -128,8 +130,10 @@ class GammaTuner:
         return np.minimum(self._shrunk(self._got, self._asked, self.supply_prior), 1.0)
 
     def t_verify(self, n: int) -> float:
-        """T_verify(n): the curve times the observed/curve ratio (interpolated over the n the loop has
-        run, 1.0 before any), blended where n itself was run with its own observed mean."""
+        """T_verify(n) = curve(n) x load x shape(n): `load` follows the machine's current speed fast
+        (one factor for every n, so a busy spell slows all choices alike and cancels in the argmax);
+        shape(n), learned slowly from the n the loop has run (interpolated between them, 1.0 before
+        any), corrects the curve's form where the prior or probe was wrong."""
         if n <= self.gamma_max + 1:
             return float(self._tv_table()[n - 1])
         return float(self._tv_at(np.array([n]))[0])
@@ -137,15 +141,9 @@ class GammaTuner:
     def _tv_at(self, n: np.ndarray) -> np.ndarray:
         curve = self._curve                                                 # curve [G + 2]: T(n) prior, index n
         pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])   # pred [len(n)]
-        seen = np.flatnonzero(self._tv_n > 0)
-        if seen.size:
-            pred = pred * np.interp(n, seen, self._tv_obs[seen] / curve[seen])
-        inside = n < len(self._tv_n)
-        w = np.zeros(len(n))
-        obs = np.zeros(len(n))
-        w[inside] = self._tv_n[n[inside]]           # observations count as w against the prediction's 1
-        obs[inside] = self._tv_obs[n[inside]]
-        return (pred + w * obs) / (1.0 + w)
+        seen = np.flatnonzero(self._shape_n > 0)
+        shape = np.interp(n, seen, self._shape[seen]) if seen.size else np.ones(len(n))
+        return pred * self._load * shape
 
     def _tv_table(self) -> np.ndarray:
         """T_verify(n) for n = 1..gamma_max + 1, recomputed only after an observation."""
@@ -235,15 +233,20 @@ class GammaTuner:
         n = m + 1
         # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
         # machine is a spike, not a new cost level; a real change still arrives within a few cycles)
-        if n < len(self._tv_obs) and t_verify > 0:
+        if n < len(self._shape) and t_verify > 0:
             self._tv_cache = None
-            c = self._tv_n[n]
-            if c == 0:
-                self._tv_obs[n] = t_verify          # the prior may be far off: the first sample is taken whole
+            r = t_verify / self._curve[n]
+            c = self._shape_n[n]
+            if not self._shape_n.any():
+                self._load = r                      # the prior may be far off: the first sample is taken whole
+            elif c == 0:
+                self._shape[n] = r / self._load
             else:
-                obs = float(np.clip(t_verify, self._tv_obs[n] / 2, self._tv_obs[n] * 2))
-                self._tv_obs[n] += max(k, 1.0 / (c + 1)) * (obs - self._tv_obs[n])
-            self._tv_n[n] = min(c + 1, 1.0 / k)
+                expect = self._load * self._shape[n]
+                r = float(np.clip(r, expect / 2, expect * 2))
+                self._load += k * (r / self._shape[n] - self._load)
+                self._shape[n] += max(self.shape_rate, 1.0 / (c + 1)) * (r / self._load - self._shape[n])
+            self._shape_n[n] = c + 1
         if m > 0 and self.cost.t_draft > 0:
             r = float(np.clip(t_draft / (m * self.cost.t_draft), self._td_ratio / 2, self._td_ratio * 2))
             self._td_ratio = (1 - k) * self._td_ratio + k * r
