@@ -48,6 +48,7 @@ class GenStats:
     n_cycles: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    n_rejected: int = 0          # cycles that ended on a rejected draft (the rest accepted every draft)
     gamma_sum: int = 0
     t_draft_s: float = 0.0
     t_verify_s: float = 0.0
@@ -61,7 +62,14 @@ class GenStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted / drafted (drafts after a rejection count as not accepted)."""
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability, accepted / (accepted + rejected): Leviathan's alpha."""
+        tested = self.n_accepted + self.n_rejected
+        return self.n_accepted / tested if tested else 0.0
 
     @property
     def mean_accepted_per_cycle(self) -> float:
@@ -80,6 +88,7 @@ class GenStats:
         if gamma > 0:
             self.n_drafted += gamma
             self.n_accepted += n_accepted
+            self.n_rejected += n_accepted < gamma
             if len(self.accept_histogram) <= gamma:
                 self.accept_histogram.extend([0] * (gamma + 1 - len(self.accept_histogram)))
             self.accept_histogram[n_accepted] += 1
@@ -87,7 +96,7 @@ class GenStats:
     def merge(self, other: "GenStats") -> None:
         """Accumulate another generation's counts (for session-wide /stats and /metrics)."""
         for name in ("n_prompt_tokens", "n_tokens", "t_prefill_s", "t_total_s", "n_cycles", "n_drafted",
-                     "n_accepted", "gamma_sum", "t_draft_s", "t_verify_s"):
+                     "n_accepted", "n_rejected", "gamma_sum", "t_draft_s", "t_verify_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         h = other.accept_histogram
         if len(self.accept_histogram) < len(h):
@@ -98,7 +107,7 @@ class GenStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(tokens_per_s=self.tokens_per_s, acceptance_rate=self.acceptance_rate,
+        d.update(tokens_per_s=self.tokens_per_s, acceptance_rate=self.acceptance_rate, alpha=self.alpha,
                  mean_accepted_per_cycle=self.mean_accepted_per_cycle, gamma_mean=self.gamma_mean)
         return d
 
@@ -176,6 +185,7 @@ def generate(
             f"the prompt is {len(prompt_tokens)} tokens but the context holds {target.n_ctx}: "
             f"shorten the prompt or load the model with a larger n_ctx")
     stats = stats if stats is not None else GenStats()
+    stats.finish_reason = None
     rng = rng if rng is not None else np.random.default_rng(sampling.seed)
     policy = policy if (policy is not None and drafter is not None) else FixedGamma(0)
     is_eog = is_eog or target.tokenizer.is_eog

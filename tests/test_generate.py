@@ -117,3 +117,22 @@ def test_generation_stops_when_context_is_full(target):
     prompt = [10 + i % 100 for i in range(target.n_ctx - 5)]
     steps, stats = run(target, prompt, max_tokens=50)
     assert stats.finish_reason == "length" and len(steps) <= 6
+
+
+def test_acceptance_statistics():
+    st = GenStats()
+    for gamma, acc in ((4, 2), (4, 4), (2, 0), (0, 0)):
+        st.record_cycle(gamma, acc, 0.01, 0.02)
+    assert st.n_drafted == 10 and st.n_accepted == 6 and st.n_rejected == 2
+    assert st.acceptance_rate == 0.6 and st.alpha == 0.75
+    assert st.accept_histogram == [1, 0, 1, 0, 1]
+    assert st.n_cycles == 4 and st.gamma_mean == 2.5
+    assert st.mean_accepted_per_cycle == 2.0
+
+
+def test_a_reused_stats_object_does_not_stop_the_next_generation(target):
+    st = GenStats()
+    list(generate(target, prompt_of(target), GREEDY, max_tokens=3, stats=st))
+    assert st.finish_reason == "length"
+    steps = list(generate(target, prompt_of(target), GREEDY, max_tokens=5, stats=st))
+    assert len(steps) == 5
