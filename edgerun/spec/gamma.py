@@ -100,6 +100,7 @@ class GammaTuner:
         self._since_explore = 0
         self._n_drafting = 0                   # cycles observed with at least one drafted token
         self._explore_turn = 0
+        self._exploring = False
         self._explore_interval = explore_every
         self.n_explored = 0
         log.debug("gamma tuner: %s cost curve, start at gamma %d", cost.source, self._current)
@@ -187,19 +188,22 @@ class GammaTuner:
             # the first drafting cycles of a session happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
             g = min(2, self.gamma_max)
-        elif self._since_explore >= self._explore_interval and (g > 0 or self._since_explore >= self._off_gap()):
-            # one exploratory cycle, ever rarer while the choice stands: off -> a one-token draft (keeps
-            # the acceptance estimate current; never more often than the exploration budget allows);
-            # on -> plain or a neighbour (keeps T_verify honest there)
+        elif g == 0 and self._since_explore >= max(self.explore_every, self._off_gap()):
+            # speculation is off: a one-token draft as often as the exploration budget allows keeps the
+            # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle)
+            self._since_explore = 0
+            self._exploring = True
+            self.n_explored += 1
+            g = 1
+        elif g > 0 and self._since_explore >= self._explore_interval:
+            # speculation is on: plain or a neighbouring gamma, ever rarer while the choice stands,
+            # keeps T_verify honest there
             self._since_explore = 0
             self._explore_interval = min(2 * self._explore_interval, self.explore_max)
             self.n_explored += 1
-            if g == 0:
-                g = 1
-            else:
-                cands = [c for c in (0, g + 1, g - 1) if 0 <= c <= self.gamma_max and c != g]
-                g = cands[self._explore_turn % len(cands)]
-                self._explore_turn += 1
+            cands = [c for c in (0, g + 1, g - 1) if 0 <= c <= self.gamma_max and c != g]
+            g = cands[self._explore_turn % len(cands)]
+            self._explore_turn += 1
         self._last = g
         return g
 
@@ -215,6 +219,9 @@ class GammaTuner:
         d = self.decay if self._current > 0 else self.decay ** 0.25
         for arr in (self._acc, self._seen, self._asked, self._got):
             arr *= d
+        if self._exploring and m == 0 and asked > 0:
+            self._since_explore = 10 ** 9           # nothing was drafted: the exploration is still owed
+        self._exploring = False
         if m > 0:
             self._n_drafting += 1
         if asked > 0:
