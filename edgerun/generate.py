@@ -215,7 +215,10 @@ def generate(
             t1 = time.perf_counter()
             logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
             # p [gamma + 1, V]: target distribution at each verified position, same transforms as q
-            p = np.stack([probs(logits[i], sampling, committed + draft[:i]) for i in range(gamma + 1)])
+            if gamma == 0:
+                p = probs(logits[0], sampling, committed)[None]                  # [1, V], no copy
+            else:
+                p = np.stack([probs(logits[i], sampling, committed + draft[:i]) for i in range(gamma + 1)])
             n_acc, nxt = verify(p, q, draft, rng)
             t2 = time.perf_counter()
             # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts

@@ -60,6 +60,7 @@ def probs(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = (
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from probabilities p [V] (inverse CDF; one uniform from rng)."""
-    cum = np.cumsum(p)
+    idx = np.flatnonzero(p)             # after top-k/top-p/min-p (or greedy) few entries remain
+    cum = np.cumsum(p[idx])             # same intervals as a cumsum over all of p: zeros add nothing
     u = rng.random() * cum[-1]
-    return int(min(np.searchsorted(cum, u, side="right"), len(p) - 1))
+    return int(idx[min(np.searchsorted(cum, u, side="right"), len(idx) - 1)])
