@@ -45,16 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-TARGET = "qwen2.5-coder-1.5b-instruct"
-DRAFT = "qwen2.5-coder-0.5b-instruct"
-SMALL = "smollm2-135m-instruct"
+from workloads import CODE_PROMPTS, DRAFT, SMALL, TARGET, summarise_prompt  # noqa: E402
 
-CODE_PROMPTS = [
-    'def quicksort(items):\n    """Return a new list with the items sorted in ascending order (quicksort)."""\n',
-    "import json\nfrom pathlib import Path\n\n\nclass Config:\n"
-    '    """Load a JSON configuration file and give attribute access to its keys."""\n\n'
-    "    def __init__(self, path):\n",
-]
 PROSE_MESSAGES = [
     [{"role": "user", "content": "Explain in a few paragraphs what a hash table is, how it handles "
                                  "collisions, and when a programmer should prefer a balanced tree instead."}],
@@ -64,10 +56,7 @@ PROSE_MESSAGES = [
 
 
 def summarise_messages() -> list[list[dict]]:
-    from pydoc_data.topics import topics
-
-    text = topics["while"] + "\n" + topics["if"] + "\n" + topics["break"]
-    return [[{"role": "user", "content": f"Summarise the following text in a few sentences.\n\n{text}"}]]
+    return [[{"role": "user", "content": summarise_prompt()}]]
 
 
 # ---------------------------------------------------------------------------------- edgerun runs

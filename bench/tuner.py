@@ -31,16 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-TARGET = "qwen2.5-coder-1.5b-instruct"
-DRAFT = "qwen2.5-coder-0.5b-instruct"
-SMALL = "smollm2-135m-instruct"
+from workloads import CODE_PROMPTS, DRAFT, SMALL, TARGET, summarise_prompt  # noqa: E402,F401
 
-CODE_PROMPTS = [
-    'def quicksort(items):\n    """Return a new list with the items sorted in ascending order (quicksort)."""\n',
-    "import json\nfrom pathlib import Path\n\n\nclass Config:\n"
-    '    """Load a JSON configuration file and give attribute access to its keys."""\n\n'
-    "    def __init__(self, path):\n",
-]
 PROSE = [
     "Explain in a few paragraphs what a hash table is, how it handles collisions, and when a programmer "
     "should prefer a balanced tree instead.",
@@ -50,13 +42,6 @@ CHAT = [
     "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
     "What are three good habits for staying focused while working from home?",
 ]
-
-
-def summarise_prompt() -> str:
-    from pydoc_data.topics import topics
-
-    text = topics["while"] + "\n" + topics["if"] + "\n" + topics["break"]
-    return f"Summarise the following text in a few sentences.\n\n{text}"
 
 
 def repeat_prompt() -> str:
