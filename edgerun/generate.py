@@ -208,7 +208,9 @@ def generate(
             if room < 0:
                 stats.finish_reason = "length"         # context full (documented policy: stop, no sliding)
                 break
-            gamma = min(policy.choose(), max_tokens - n_out - 1, room) if drafter is not None else 0
+            gamma = 0
+            if drafter is not None:
+                gamma = min(policy.choose(drafter.hint(committed)), max_tokens - n_out - 1, room)
             t0 = time.perf_counter()
             draft, q = drafter.propose(committed, gamma, sampling, rng) if gamma > 0 else ([], None)
             gamma = len(draft)

@@ -59,6 +59,29 @@ def test_lookup_finds_long_range_matches():
     assert PromptLookupDrafter().propose(ctx, 6, GREEDY, RNG) == (text[40:46], None)
 
 
+def test_lookup_hint_is_the_length_of_the_verbatim_match():
+    d = PromptLookupDrafter(ngram_max=3, ngram_min=1)
+    assert d.hint([1, 2, 3, 4]) is None and d.hint([1]) is None          # nothing to copy: no cycle asked
+    assert d.hint([5, 9, 7, 9]) == 0                                      # only the last token recurs
+    assert d.hint([5, 8, 9, 7, 8, 9]) == 1                                # 2 tokens agree
+    body = list(range(100, 140))
+    assert d.hint([1, *body, 2, *body[:6]]) == 3                          # 6 tokens: bucket 5-8
+    assert d.hint([1, *body, 2, *body[:20]]) == 5                         # 20 tokens: bucket 17+
+    assert d.hint([*body, *body]) == 5                                    # capped at 32, still the top class
+    # propose() after hint() copies the same match; a changed context is matched afresh
+    ctx = [1, *body, 2, *body[:6]]
+    d.hint(ctx)
+    assert d.propose(ctx, 3, GREEDY, RNG) == (body[6:9], None)
+    ctx.append(77)
+    assert d.propose(ctx, 3, GREEDY, RNG) == ([], None)
+    ctx[-1] = body[6]
+    assert d.propose(ctx, 2, GREEDY, RNG) == (body[7:9], None)
+
+
+def test_model_drafter_has_one_hint_class():
+    assert ModelDrafter.n_classes == 1
+
+
 def test_lookup_bad_arguments():
     with pytest.raises(InvalidArgument):
         PromptLookupDrafter(ngram_max=1, ngram_min=2)

@@ -228,3 +228,67 @@ def test_auto_gamma_in_the_decode_loop_keeps_greedy_output(tiny_llama, tmp_path,
     finally:
         drafter.close()
         target.close()
+
+
+# --- hint classes (a drafter that says how good its draft will be) ---------------------------
+
+def sim_hinted(policy, alphas, weights, tv, td: float, cycles: int, rng: np.random.Generator) -> float:
+    """Like sim(), but each cycle's context falls in hint class c with probability weights[c] and its
+    drafts are accepted with probability alphas[c] (prompt lookup: long verbatim matches vs short ones)."""
+    toks, secs = 0, 0.0
+    for _ in range(cycles):
+        c = int(rng.choice(len(alphas), p=weights))
+        g = policy.choose(c)
+        j = 0
+        while j < g and rng.random() < alphas[c]:
+            j += 1
+        policy.observe(g, j, g * td, tv[g])
+        toks += j + 1
+        secs += g * td + tv[g]
+    return toks / secs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tuner_drafts_only_in_the_classes_where_it_pays(seed):
+    # lookup on a steep CPU curve: short matches (class 0, 60% of cycles) are mostly rejected, long
+    # ones (class 1) mostly accepted. No fixed gamma wins overall by much; the tuner per class does.
+    tv, td = CASES["cpu-135m-lookup"]
+    alphas, weights = [0.15, 0.95], [0.6, 0.4]
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8, n_classes=2, seed=seed)
+    rate = sim_hinted(t, alphas, weights, tv, td, 1500, np.random.default_rng(seed))
+    assert t.gammas()[0] == 0 and t.gammas()[1] >= 3
+    fixed = [sim_hinted(FixedGamma(g), alphas, weights, tv, td, 1500, np.random.default_rng(seed)) for g in range(9)]
+    assert rate >= 1.05 * max(fixed), (rate, np.round(fixed, 1))
+    # the same tuner without hints (one class) cannot tell the cycles apart
+    one = GammaTuner(CostCurve(tv, td), gamma_max=8, n_classes=1, seed=seed)
+    assert sim_hinted(one, alphas, weights, tv, td, 1500, np.random.default_rng(seed)) < rate
+
+
+def test_no_hint_means_no_draft_and_no_learning():
+    tv, td = CASES["gpu-nearly-free-verify"]
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8, n_classes=3)
+    before = t.acceptance(1).copy()
+    for _ in range(50):
+        assert t.choose(None) == 0
+        t.observe(0, 0, 0.0, tv[0])
+    np.testing.assert_array_equal(t.acceptance(1), before)
+    assert FixedGamma(4).choose(None) == 0 and FixedGamma(4).choose(2) == 4
+    assert t.choose(7) >= 0                      # a class above the tuner's range is pooled into the top one
+    with pytest.raises(InvalidArgument):
+        t.choose(-1)
+
+
+def test_thompson_choices_are_reproducible_for_a_seed():
+    tv, td = CASES["cpu-135m-lookup"]
+    runs = []
+    for _ in range(2):
+        t = GammaTuner(CostCurve(tv, td), gamma_max=8, n_classes=2, seed=7)
+        rng = np.random.default_rng(3)
+        choices = []
+        for _ in range(300):
+            c = int(rng.integers(2))
+            g = t.choose(c)
+            choices.append(g)
+            t.observe(g, min(g, int(rng.integers(0, 3))), g * td, tv[g])
+        runs.append(choices)
+    assert runs[0] == runs[1]

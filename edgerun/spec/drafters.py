@@ -5,6 +5,11 @@ and q [len(tokens), V_target], the probabilities each token was drawn from (afte
 transforms the target gets), or q None when the drafter is a deterministic function of the context
 (verify then treats it as a point mass). A drafter keeps its own state in step lazily: every call
 receives the whole committed context and first rolls back to the common prefix.
+
+Before each cycle the loop asks `hint(context)`: None when the drafter has nothing to offer for this
+context (no cycle is spent asking), else a class in 0..n_classes-1 that predicts how well its draft
+will be accepted (prompt lookup: the length of the verbatim match; a model: always 0). The gamma
+tuner keeps one acceptance model per class.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class Drafter(Protocol):
     name: str
     vocab_fingerprint: str | None     # None: model-free, fits any vocabulary
     weight_bytes: int                 # bytes read per drafted token (0 for model-free)
+    n_classes: int                    # hint classes (1: the drafter gives no hint)
+
+    def hint(self, context: Sequence[int]) -> int | None: ...
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
                 rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]: ...
@@ -91,6 +99,8 @@ def shared_vocab(target: Backend, drafter: Backend) -> int:
 class ModelDrafter:
     """A smaller model of the same vocabulary on its own backend (and KV cache)."""
 
+    n_classes = 1
+
     def __init__(self, backend: Backend, target: Backend | None = None, *, p_min: float = 0.0,
                  name: str | None = None) -> None:
         if not 0.0 <= p_min < 1.0:
@@ -122,6 +132,10 @@ class ModelDrafter:
         out = np.zeros(self.n_out, dtype=np.float64)
         out[: self.n_shared] = q[: self.n_shared]
         return out
+
+    def hint(self, context: Sequence[int]) -> int | None:
+        """One class: a model always has a draft to offer (its confidence cut-off acts while drafting)."""
+        return 0
 
     def _top_prob(self, logits: np.ndarray) -> float:
         """Largest softmax probability of the raw logits (temperature 1): the drafter's confidence."""
@@ -167,11 +181,18 @@ class ModelDrafter:
 
 class PromptLookupDrafter:
     """Model-free drafting: find the latest earlier occurrence of the context's last n tokens
-    (n from ngram_max down to ngram_min) and propose what followed it. Zero extra memory."""
+    (n from ngram_max down to ngram_min) and propose what followed it. Zero extra memory.
+
+    Its hint class is how long the match really is (the matched n-gram extended backwards while the
+    tokens still agree, up to 32): buckets 1, 2, 3-4, 5-8, 9-16, 17+. A continuation copied from a
+    long verbatim match is accepted far more often than one keyed on a single common token, and the
+    gamma tuner learns acceptance per class, drafting only where it pays."""
 
     name = "lookup"
     vocab_fingerprint = None
     weight_bytes = 0
+    n_classes = 6
+    _EXTEND_MAX = 32
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
         if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max):
@@ -179,32 +200,59 @@ class PromptLookupDrafter:
                 f"prompt lookup needs integers 1 <= ngram_min <= ngram_max, got {ngram_min!r}, {ngram_max!r}")
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
+        self._memo: tuple | None = None     # (context object, length, last token, match) of the last call
 
-    def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
-                rng: np.random.Generator) -> tuple[list[int], None]:
+    def _match(self, context: Sequence[int]) -> tuple[int, int] | None:
+        """(start of the copied continuation, matched length extended backwards) or None."""
         L = len(context)
-        if gamma <= 0 or L < 2:
-            return [], None
+        if L < 2:
+            return None
+        memo = self._memo
+        if memo is not None and memo[0] is context and memo[1] == L and memo[2] == context[-1]:
+            return memo[3]
         arr = np.asarray(context, dtype=np.int64)
+        found = None
         for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
             # windows [L-n, n]: window s is arr[s:s+n], each followed by at least one token
             windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
             hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
-                # copy what followed; a copy that runs into the end of the context continues with
-                # its own output (an overlapping copy, as in LZ77), so periodic text drafts a full gamma
-                out = list(context[start:start + gamma])
-                while len(out) < gamma:
-                    out.append(out[len(out) - (L - start)])
-                return out, None
-        return [], None
+                h = int(hits[-1])
+                k = n
+                while k < self._EXTEND_MAX and h - 1 - (k - n) >= 0 and context[h - 1 - (k - n)] == context[L - 1 - k]:
+                    k += 1
+                found = (h + n, k)
+                break
+        self._memo = (context, L, context[-1], found)
+        return found
+
+    def hint(self, context: Sequence[int]) -> int | None:
+        m = self._match(context)
+        if m is None:
+            return None
+        k = m[1]
+        return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
+
+    def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
+                rng: np.random.Generator) -> tuple[list[int], None]:
+        if gamma <= 0:
+            return [], None
+        m = self._match(context)
+        if m is None:
+            return [], None
+        start, L = m[0], len(context)
+        # copy what followed; a copy that runs into the end of the context continues with its own
+        # output (an overlapping copy, as in LZ77), so periodic text drafts a full gamma
+        out = list(context[start:start + gamma])
+        while len(out) < gamma:
+            out.append(out[len(out) - (L - start)])
+        return out, None
 
     def reset(self) -> None:
-        pass
+        self._memo = None
 
     def close(self) -> None:
-        pass
+        self._memo = None
 
 
 # ---------------------------------------------------------------------------------- factory

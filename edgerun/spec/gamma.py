@@ -1,4 +1,4 @@
-"""Draft-length policies. The decode loop asks `choose()` before each cycle and reports with `observe()`.
+"""Draft-length policies. The decode loop asks `choose(hint)` before each cycle and reports with `observe()`.
 
 FixedGamma always drafts the same number of tokens. GammaTuner picks, every cycle, the gamma in
 0..gamma_max that maximises predicted tokens per second:
@@ -11,17 +11,23 @@ FixedGamma always drafts the same number of tokens. GammaTuner picks, every cycl
 a_i is the probability that drafted position i is accepted given that positions < i were, s_i the
 probability that the drafter supplies position i when asked for it (its confidence cut-off or a
 failed prompt lookup stops it early), D_k = prod_{i<=k} s_i. Both are learned online as Beta
-posteriors over exponentially decayed counts, shrunk towards their pooled mean, so late positions
-borrow strength from early ones. T_verify(n) and T_draft come from the device's CostCurve
-(measured, or a roofline before measuring), corrected by the times the loop observes. g = 0 is
-plain decoding (rate 1 / T_verify(1)) and is chosen whenever speculation is not predicted to win.
-The first few drafting cycles of a session happen whatever the prior says (acceptance is learned,
-not assumed), unless even perfect acceptance could not beat plain decoding. Now and then
-(exponential back-off while the choice stands) one exploratory cycle runs: a one-token draft while
-speculation is off, spaced so that losing drafts cost at most 1% of the decode time, so a change in
-the text can turn speculation back on; plain or a neighbouring gamma while it is on, so the
-observed costs stay honest where the prior curve was wrong. A switch needs a predicted gain over the current gamma
-(hysteresis), so gamma does not oscillate between near-equal choices.
+posteriors over exponentially decayed counts, per hint class: before each cycle the drafter says
+which class the context falls in (prompt lookup: how long its verbatim match is; a model drafter:
+one class), so a drafter whose drafts are good in some contexts and useless in others is used only
+where it pays. Per-position estimates are shrunk towards their class's pooled mean, and that
+towards the mean of all classes, so late positions and rare classes borrow strength. The class's
+pooled acceptance is drawn from its posterior each cycle (Thompson sampling), so a class seen
+little is sometimes tried optimistically and one seen often is decided by its data. T_verify(n) and
+T_draft come from the device's CostCurve (measured, or a roofline before measuring), corrected by
+the times the loop observes. g = 0 is plain decoding (rate 1 / T_verify(1)) and is chosen whenever
+speculation is not predicted to win. The first drafting cycles of each class happen whatever the
+prior says (acceptance is learned, not assumed), unless even perfect acceptance could not beat
+plain decoding. Now and then (exponential back-off while the choice stands) one exploratory cycle
+runs: a one-token draft while speculation is off in that class, spaced so that losing drafts cost at
+most 1% of the decode time, so a change in the text can turn speculation back on; plain or a
+neighbouring gamma while it is on, so the observed costs stay honest where the prior curve was
+wrong. A switch needs a predicted gain over the current gamma (hysteresis), so gamma does not
+oscillate between near-equal choices.
 """
 
 from __future__ import annotations
@@ -42,23 +48,26 @@ class FixedGamma:
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
 
-    def choose(self) -> int:
-        return self.gamma
+    def choose(self, hint: int | None = 0) -> int:
+        return 0 if hint is None else self.gamma
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
         pass
 
 
 class GammaTuner:
-    """Cost model + online acceptance -> gamma per cycle (see the module docstring for the formula)."""
+    """Cost model + online acceptance per drafter hint class -> gamma per cycle (module docstring)."""
 
-    def __init__(self, cost: CostCurve, gamma_max: int = 8, *, alpha_prior: float = 0.6,
-                 prior_strength: float = 1.0, pool_strength: float = 2.0, supply_prior: float = 0.95,
-                 decay: float = 0.98, hysteresis: float = 0.03, explore_every: int = 16,
-                 explore_max: int = 256, explore_budget: float = 0.01, warmup_cycles: int = 4,
-                 time_ema: float = 0.2, shape_rate: float = 0.05) -> None:
+    def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, alpha_prior: float = 0.6,
+                 prior_strength: float = 1.0, class_strength: float = 4.0, pool_strength: float = 2.0,
+                 supply_prior: float = 0.95, decay: float = 0.98, hysteresis: float = 0.03,
+                 explore_every: int = 16, explore_max: int = 256, explore_budget: float = 0.01,
+                 warmup_cycles: int = 2, time_ema: float = 0.2, shape_rate: float = 0.05,
+                 thompson: bool = True, seed: int = 0) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
+        if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
+            raise InvalidArgument(f"n_classes must be an integer in 1..64, got {n_classes!r}")
         if not 0 < alpha_prior < 1 or not 0 < supply_prior <= 1:
             raise InvalidArgument(f"alpha_prior must be in (0, 1) and supply_prior in (0, 1], "
                                   f"got {alpha_prior}, {supply_prior}")
@@ -73,19 +82,23 @@ class GammaTuner:
             raise InvalidArgument(f"need 1 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
         self.cost = cost
         self.gamma_max = gamma_max
+        self.n_classes = n_classes
         self.alpha_prior, self.prior_strength, self.pool_strength = alpha_prior, prior_strength, pool_strength
+        self.class_strength = class_strength
         self.supply_prior = supply_prior
         self.decay, self.hysteresis, self.time_ema = decay, hysteresis, time_ema
         self.explore_every, self.explore_max = explore_every, explore_max
         self.warmup_cycles = warmup_cycles
         self.explore_budget = explore_budget
         self.shape_rate = shape_rate
-        G = gamma_max
-        # decayed counts per drafted position i = 1..G (index i - 1)
-        self._acc = np.zeros(G)      # accepted
-        self._seen = np.zeros(G)     # verified with every earlier position accepted
-        self._asked = np.zeros(G)    # drafter was asked for position i (and supplied i - 1)
-        self._got = np.zeros(G)      # ... and supplied it
+        self.thompson = thompson
+        self._rng = np.random.default_rng(seed)
+        C, G = n_classes, gamma_max
+        # decayed counts per hint class and drafted position i = 1..G (index [class, i - 1])
+        self._acc = np.zeros((C, G))      # accepted
+        self._seen = np.zeros((C, G))     # verified with every earlier position accepted
+        self._asked = np.zeros((C, G))    # drafter was asked for position i (and supplied i - 1)
+        self._got = np.zeros((C, G))      # ... and supplied it
         # observed times: EMA of T_verify(n) per n, draft time / curve ratio, cost of a drafter miss
         n_tab = G + 2                # index n = 1..G + 1 (index 0 unused)
         self._load = 1.0                          # observed / curve, common to every n (fast)
@@ -95,40 +108,56 @@ class GammaTuner:
         self._curve = np.array([np.nan] + [cost.verify(n) for n in range(1, n_tab)])   # index n = 1..G + 1
         self._td_ratio = 1.0
         self._t_miss = 0.0
-        self._current = int(np.argmax(self.rates()))
-        self._last = self._current
-        self._since_explore = 0
-        self._n_drafting = 0                   # cycles observed with at least one drafted token
+        # the policy's state per class: gamma in force, cycles since the last exploration, drafting
+        # cycles seen (warm-up), exploration interval while speculation is on
+        g0 = int(np.argmax(self.rates(0)))
+        self._current = np.full(C, g0)
+        self._since_explore = np.zeros(C, dtype=np.int64)
+        self._n_drafting = np.zeros(C, dtype=np.int64)
+        self._explore_interval = np.full(C, explore_every)
+        self._hint = 0                          # class of the cycle being run (None: nothing to draft)
+        self._last = g0
         self._explore_turn = 0
         self._exploring = False
-        self._explore_interval = explore_every
         self.n_explored = 0
-        log.debug("gamma tuner: %s cost curve, start at gamma %d", cost.source, self._current)
+        log.debug("gamma tuner: %s cost curve, %d hint classes, start at gamma %d", cost.source, C, g0)
 
     # -- construction from a loaded runtime ---------------------------------------------------
     @classmethod
     def for_runtime(cls, profile, target, drafter, spec, *, measure: bool = True) -> "GammaTuner":
-        """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured)."""
+        """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured),
+        one acceptance model per hint class the drafter reports."""
         from ..hw.costprobe import cost_curve_for
 
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
         curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=gmax + 1)
-        return cls(curve, gamma_max=gmax)
+        return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)))
 
     # -- the model ---------------------------------------------------------------------------
-    def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float) -> np.ndarray:
-        """Per-position Beta posterior means, shrunk towards the pooled posterior mean."""
-        a0 = mean0 * self.prior_strength
-        pooled = (a0 + hits.sum()) / (self.prior_strength + trials.sum())
-        return (hits + self.pool_strength * pooled) / (trials + self.pool_strength)
+    def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float, c: int,
+                rng: np.random.Generator | None = None) -> np.ndarray:
+        """Per-position Beta posterior means for class c, shrunk towards the class's pooled mean,
+        which is shrunk towards the pooled mean of all classes (itself shrunk towards the prior).
+        With rng, the class's pooled mean is drawn from its Beta posterior instead (Thompson
+        sampling: a class seen little is sometimes drafted optimistically, and so gets learned)."""
+        pooled = (mean0 * self.prior_strength + hits.sum()) / (self.prior_strength + trials.sum())
+        if self.n_classes > 1 or rng is not None:
+            h, n = hits[c].sum(), trials[c].sum()
+            cs = self.class_strength
+            if rng is None:
+                pooled = (h + cs * pooled) / (n + cs)
+            else:
+                pooled = rng.beta(h + cs * pooled, max(n - h, 0.0) + cs * (1.0 - pooled))
+        return (hits[c] + self.pool_strength * pooled) / (trials[c] + self.pool_strength)
 
-    def acceptance(self) -> np.ndarray:
-        """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted)."""
-        return self._shrunk(self._acc, self._seen, self.alpha_prior)
+    def acceptance(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+        """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted), for a hint class
+        (posterior mean, or a posterior draw with rng)."""
+        return self._shrunk(self._acc, self._seen, self.alpha_prior, hint, rng)
 
-    def supply(self) -> np.ndarray:
-        """s_i: P(drafter supplies position i | asked for it and supplied i - 1)."""
-        return np.minimum(self._shrunk(self._got, self._asked, self.supply_prior), 1.0)
+    def supply(self, hint: int = 0) -> np.ndarray:
+        """s_i: P(drafter supplies position i | asked for it and supplied i - 1), for a hint class."""
+        return np.minimum(self._shrunk(self._got, self._asked, self.supply_prior, hint), 1.0)
 
     def t_verify(self, n: int) -> float:
         """T_verify(n) = curve(n) x load x shape(n): `load` follows the machine's current speed fast
@@ -155,9 +184,10 @@ class GammaTuner:
     def t_draft(self) -> float:
         return self.cost.t_draft * self._td_ratio
 
-    def rates(self) -> np.ndarray:
-        """Predicted tokens/s for gamma = 0..gamma_max (vectorised: this runs every cycle)."""
-        a, s = self.acceptance(), self.supply()
+    def rates(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Predicted tokens/s for gamma = 0..gamma_max in a hint class (vectorised: runs every cycle);
+        with rng, for acceptance drawn from its posterior."""
+        a, s = self.acceptance(hint, rng), self.supply(hint)
         D = np.concatenate([[1.0], np.cumprod(s)])          # D [G + 1]: P(at least k drafted | asked >= k)
         A = np.cumprod(s * a)                               # A [G]: P(positions 1..k drafted and accepted)
         tv = self._tv_table()                               # tv [G + 1]: T_verify(m + 1), m = 0..G
@@ -171,37 +201,47 @@ class GammaTuner:
         return out
 
     # -- the policy --------------------------------------------------------------------------
-    def choose(self) -> int:
-        rates = self.rates()
+    def choose(self, hint: int | None = 0) -> int:
+        """gamma for the next cycle. hint: the drafter's class for this context (drafters.py), None
+        when it has nothing to offer (then 0: no cycle is spent asking)."""
+        self._hint = hint
+        if hint is None:
+            self._last = 0
+            return 0
+        if hint < 0:
+            raise InvalidArgument(f"hint class must be >= 0 or None, got {hint!r}")
+        c = min(hint, self.n_classes - 1)      # a tuner with fewer classes pools the upper ones
+        self._hint = c
+        rates = self.rates(c, self._rng if self.thompson else None)
         best = int(np.argmax(rates))
-        if best != self._current and rates[best] > rates[self._current] * (1.0 + self.hysteresis):
-            log.debug("gamma %d -> %d (predicted %.1f -> %.1f tok/s)", self._current, best,
-                      rates[self._current], rates[best])
-            self._current = best
-            self._explore_interval = self.explore_every
-            self._since_explore = 0
-        g = self._current
-        self._since_explore += 1
+        cur = int(self._current[c])
+        if best != cur and rates[best] > rates[cur] * (1.0 + self.hysteresis):
+            log.debug("class %d: gamma %d -> %d (predicted %.1f -> %.1f tok/s)", c, cur, best, rates[cur], rates[best])
+            self._current[c] = cur = best
+            self._explore_interval[c] = self.explore_every
+            self._since_explore[c] = 0
+        g = cur
+        self._since_explore[c] += 1
         if g == 0 and not self._could_win():
             pass              # even perfect acceptance would not beat plain decoding: never draft
-        elif g == 0 and self._n_drafting < self.warmup_cycles:
-            # the first drafting cycles of a session happen whatever the prior says: acceptance is
+        elif g == 0 and self._n_drafting[c] < self.warmup_cycles:
+            # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
             g = min(2, self.gamma_max)
-        elif g == 0 and self._since_explore >= max(self.explore_every, self._off_gap()):
+        elif g == 0 and self._since_explore[c] >= max(self.explore_every, self._off_gap()):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
             # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle)
-            self._since_explore = 0
+            self._since_explore[c] = 0
             self._exploring = True
             self.n_explored += 1
             g = 1
-        elif g > 0 and self._since_explore >= self._explore_interval:
+        elif g > 0 and self._since_explore[c] >= self._explore_interval[c]:
             # speculation is on: plain or a neighbouring gamma, ever rarer while the choice stands,
             # keeps T_verify honest there
-            self._since_explore = 0
-            self._explore_interval = min(2 * self._explore_interval, self.explore_max)
+            self._since_explore[c] = 0
+            self._explore_interval[c] = min(2 * self._explore_interval[c], self.explore_max)
             self.n_explored += 1
-            cands = [c for c in (0, g + 1, g - 1) if 0 <= c <= self.gamma_max and c != g]
+            cands = [x for x in (0, g + 1, g - 1) if 0 <= x <= self.gamma_max and x != g]
             g = cands[self._explore_turn % len(cands)]
             self._explore_turn += 1
         self._last = g
@@ -211,31 +251,34 @@ class GammaTuner:
         """gamma: tokens actually drafted (<= what choose() asked); n_accepted of them accepted."""
         if not 0 <= n_accepted <= gamma:
             raise InvalidArgument(f"n_accepted must be in 0..gamma ({gamma}), got {n_accepted}")
+        c = self._hint
         asked = min(max(self._last, gamma), self.gamma_max)
         m = min(gamma, self.gamma_max)
         k = self.time_ema
-        # per cycle, drafted or not, so old text weighs less and less; slower while speculation is
-        # off, so the sparse exploratory cycles add up to an estimate instead of fading into the prior
-        d = self.decay if self._current > 0 else self.decay ** 0.25
-        for arr in (self._acc, self._seen, self._asked, self._got):
-            arr *= d
-        if self._exploring and m == 0 and asked > 0:
-            self._since_explore = 10 ** 9           # nothing was drafted: the exploration is still owed
+        if c is not None:
+            # per cycle of this class, drafted or not, so old text weighs less and less; slower while
+            # speculation is off, so the sparse exploratory cycles add up to an estimate instead of
+            # fading into the prior
+            d = self.decay if self._current[c] > 0 else self.decay ** 0.25
+            for arr in (self._acc, self._seen, self._asked, self._got):
+                arr[c] *= d
+            if self._exploring and m == 0 and asked > 0:
+                self._since_explore[c] = 10 ** 9      # nothing was drafted: the exploration is still owed
+            if m > 0:
+                self._n_drafting[c] += 1
+            if asked > 0:
+                # supply: positions 1..m supplied; position m + 1 asked but not supplied
+                self._asked[c, :m] += 1
+                self._got[c, :m] += 1
+                if m < asked:
+                    self._asked[c, m] += 1
+                # acceptance: positions 1..n_accepted accepted; position n_accepted + 1 rejected (if drafted)
+                na = min(n_accepted, m)
+                self._acc[c, :na] += 1
+                self._seen[c, :na] += 1
+                if na < m:
+                    self._seen[c, na] += 1
         self._exploring = False
-        if m > 0:
-            self._n_drafting += 1
-        if asked > 0:
-            # supply: positions 1..m supplied; position m + 1 asked but not supplied
-            self._asked[:m] += 1
-            self._got[:m] += 1
-            if m < asked:
-                self._asked[m] += 1
-            # acceptance: positions 1..n_accepted accepted; position n_accepted + 1 rejected (if drafted)
-            na = min(n_accepted, m)
-            self._acc[:na] += 1
-            self._seen[:na] += 1
-            if na < m:
-                self._seen[na] += 1
         # times
         n = m + 1
         # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
@@ -243,17 +286,17 @@ class GammaTuner:
         if n < len(self._shape) and t_verify > 0:
             self._tv_cache = None
             r = t_verify / self._curve[n]
-            c = self._shape_n[n]
+            cnt = self._shape_n[n]
             if not self._shape_n.any():
                 self._load = r                      # the prior may be far off: the first sample is taken whole
-            elif c == 0:
+            elif cnt == 0:
                 self._shape[n] = r / self._load
             else:
                 expect = self._load * self._shape[n]
                 r = float(np.clip(r, expect / 2, expect * 2))
                 self._load += k * (r / self._shape[n] - self._load)
-                self._shape[n] += max(self.shape_rate, 1.0 / (c + 1)) * (r / self._load - self._shape[n])
-            self._shape_n[n] = c + 1
+                self._shape[n] += max(self.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
+            self._shape_n[n] = cnt + 1
         if m > 0 and self.cost.t_draft > 0:
             r = float(np.clip(t_draft / (m * self.cost.t_draft), self._td_ratio / 2, self._td_ratio * 2))
             self._td_ratio = (1 - k) * self._td_ratio + k * r
@@ -277,12 +320,17 @@ class GammaTuner:
 
     @property
     def gamma(self) -> int:
-        """The gamma currently in force (exploration cycles aside)."""
-        return self._current
+        """The gamma currently in force in class 0 (exploration cycles aside)."""
+        return int(self._current[0])
+
+    def gammas(self) -> list[int]:
+        """The gamma currently in force per hint class."""
+        return [int(x) for x in self._current]
 
     def summary(self) -> dict:
-        r = self.rates()
-        return {"gamma": self._current, "rates": [float(x) for x in r],
-                "acceptance": [float(x) for x in self.acceptance()], "supply": [float(x) for x in self.supply()],
+        return {"gamma": self.gamma, "gamma_per_class": self.gammas(), "n_classes": self.n_classes,
+                "rates": [[float(x) for x in self.rates(c)] for c in range(self.n_classes)],
+                "acceptance": [[float(x) for x in self.acceptance(c)] for c in range(self.n_classes)],
+                "supply": [[float(x) for x in self.supply(c)] for c in range(self.n_classes)],
                 "t_draft": self.t_draft(), "t_verify_1": self.t_verify(1), "cost_source": self.cost.source,
                 "n_explored": self.n_explored}
