@@ -107,6 +107,16 @@ def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
     assert probe_costs(tiny_target, None, n_max=4, reps=1) == curve
 
 
+def test_unsteady_repetitions_are_not_trusted():
+    from edgerun.hw.costprobe import unsteady
+
+    steady = np.array([[1.0, 2.0, 3.0], [1.1, 2.1, 2.9], [0.95, 2.2, 3.1]])
+    assert not unsteady(steady) and not unsteady(steady[:1] * 9)
+    spiky = steady.copy()
+    spiky[1, 0] = 9.0                     # one repetition ran while another job held the second core
+    assert unsteady(spiky)
+
+
 def test_cost_probe_with_lookup_drafter(tiny_target):
     from edgerun.profile import load_profile
     from edgerun.spec.drafters import PromptLookupDrafter

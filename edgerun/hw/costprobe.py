@@ -63,6 +63,18 @@ def measure_verify_curve(target, *, n_max: int = N_MAX, reps: int = 3, context: 
     The n values are interleaved within each repetition so that machine load affects all alike.
     The target's cache is left empty.
     """
+    return [float(x) for x in np.median(measure_verify_times(target, n_max=n_max, reps=reps, context=context), axis=0)]
+
+
+def unsteady(times: np.ndarray, spread: float = 1.5) -> bool:
+    """Repetitions [reps, n] that disagree by more than `spread` at some n: the machine was contended
+    (a 2-thread llama.cpp whose second core is taken runs 10x slower), so the curve is not cached."""
+    times = np.asarray(times)
+    return times.shape[0] > 1 and bool((times.max(axis=0) > spread * times.min(axis=0)).any())
+
+
+def measure_verify_times(target, *, n_max: int = N_MAX, reps: int = 3, context: int = 64) -> np.ndarray:
+    """Seconds of each repetition: [reps, n_max] (see measure_verify_curve)."""
     context = max(1, min(context, target.n_ctx - n_max - 1))
     seq = _probe_tokens(target, context + n_max)
     target.truncate(0)
@@ -78,7 +90,7 @@ def measure_verify_curve(target, *, n_max: int = N_MAX, reps: int = 3, context: 
             times[r, n - 1] = time.perf_counter() - t0
             target.truncate(context)
     target.truncate(0)
-    return [float(x) for x in np.median(times, axis=0)]
+    return times
 
 
 def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, context: int = 64) -> float:
@@ -136,10 +148,12 @@ def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_
         tv = [float(x) for x in doc["t_verify"][:n_max]]
     else:
         log.info("measuring the target's verify cost curve (n = 1..%d); cached for next time", n_max)
-        tv = measure_verify_curve(target, n_max=n_max, reps=reps)
-        if tpath and _busy():
-            log.warning("the machine was busy (load average %.1f) while measuring the cost curve: not caching it;"
-                        " the gamma tuner corrects the costs online", os.getloadavg()[0])
+        times = measure_verify_times(target, n_max=n_max, reps=reps)
+        tv = [float(x) for x in np.median(times, axis=0)]
+        if tpath and (_busy() or unsteady(times)):
+            log.warning("the machine was busy (load average %.1f; repetitions %s) while measuring the cost curve: "
+                        "not caching it; the gamma tuner corrects the costs online", os.getloadavg()[0],
+                        "disagreed" if unsteady(times) else "agreed")
         elif tpath:
             atomic_write_json(tpath, {"t_verify": tv, "model": getattr(target, "name", "?"),
                                       "settings": _settings(target), "device": device_identity()})
