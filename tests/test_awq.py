@@ -170,3 +170,21 @@ def test_gram_and_diag_clip_search_agree_on_direction():
         p = awq.choose_block_params("q4_0", w, st, np.ones(64, np.float32))
         e_rtn = np.square(x @ (w - F.fake_quant("q4_0", w)).T).sum()
         assert np.square(x @ (w - F.fake_quant("q4_0", w, p)).T).sum() < e_rtn
+
+
+def test_rescored_scale_search_is_never_worse_than_rtn_scored():
+    """Rescoring the best alphas with their searched block params keeps the RTN-scored winner among
+    the candidates, so the stored error can only fall; the returned params are the ones scored."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((400, 128)) * np.exp(1.5 * rng.standard_normal(128))).astype(np.float32)
+    ws = [rng.standard_normal((64, 128)).astype(np.float32) for _ in range(2)]
+    st = awq.group_stats(x, 200, rng)
+    refs = [st.x_search @ w.T for w in ws]
+    for element in (False, True):
+        plain = awq.search_scale("q4_1", ws, st, 10)
+        p_plain = [awq.choose_block_params("q4_1", w * plain.s, st, plain.s, element) for w in ws]
+        e_plain = awq.output_error("q4_1", ws, st.x_search, plain.s, refs, p_plain)
+        res = awq.search_scale("q4_1", ws, st, 10, rescore=3, element=element)
+        assert res.params is not None and len(res.params) == 2
+        assert res.loss <= e_plain * (1 + 1e-6)
+        assert res.loss == pytest.approx(awq.output_error("q4_1", ws, st.x_search, res.s, refs, list(res.params)))

@@ -36,13 +36,13 @@ def test_rtn_byte_exact_vs_gguf(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
-@pytest.mark.parametrize("weighting", ["none", "diag", "gram"])
+@pytest.mark.parametrize("weighting", ["none", "diag", "elem", "gram"])
 def test_search_never_worse_and_stored_exactly(fmt, weighting):
     rng = np.random.default_rng(1)
     w = _weights(rng)
     nb = w.shape[1] // 32
     x = rng.standard_normal((500, w.shape[1])).astype(np.float32) * np.exp(rng.standard_normal(w.shape[1]))
-    weight = {"none": None, "diag": (x * x).mean(0),
+    weight = {"none": None, "diag": (x * x).mean(0), "elem": F.element_importance(w, (x * x).mean(0)),
               "gram": np.einsum("tbi,tbj->bij", x.reshape(500, nb, 32), x.reshape(500, nb, 32)) / 500}[weighting]
     p = F.search_params(fmt, w, weight)
     loss_rtn = F.block_loss(fmt, w, None, weight)
@@ -56,6 +56,48 @@ def test_search_never_worse_and_stored_exactly(fmt, weighting):
     # the stored d/m are the chosen ones, bit for bit
     b = raw.reshape(w.shape[0], nb, -1)
     assert np.array_equal(b[..., :2].copy().view(np.float16)[..., 0], p.d)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_search_finds_a_grid_the_weights_lie_on(fmt):
+    """Weights that are exactly representable (e.g. dequantized from a Q4_K source, whose 32-element
+    sub-blocks are Q4_1 blocks) are found again, although max/min of a block is off the grid."""
+    rng = np.random.default_rng(4)
+    rows, nb = 64, 8
+    q = rng.integers(1, 15, (rows, nb, 32)).astype(np.float32)            # codes 0 and 15 unused
+    q[..., 0], q[..., 1] = 1, 14
+    d = (0.01 + 0.02 * rng.random((rows, nb, 1))).astype(np.float16).astype(np.float32)
+    if fmt == "q4_0":
+        w = ((q - 8) * d).reshape(rows, -1)
+    else:
+        m = (-0.1 * rng.random((rows, nb, 1))).astype(np.float16).astype(np.float32)
+        w = (q * d + m).reshape(rows, -1)
+    imp = np.exp(rng.standard_normal(w.shape[1])).astype(np.float32)
+    loss_rtn = F.block_loss(fmt, w, None, imp).sum()
+    loss = F.block_loss(fmt, w, F.search_params(fmt, w, imp), imp).sum()
+    assert loss < 1e-3 * loss_rtn
+
+
+def test_refined_search_beats_the_coarse_grid():
+    """The default grids with refits and refinement are at least as good as a coarse grid (q4_0, q4_1)."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((96, 256)).astype(np.float32) * np.exp(0.5 * rng.standard_normal((96, 1)))
+    imp = np.exp(1.5 * rng.standard_normal(256)).astype(np.float32)
+    for fmt in ("q4_0", "q4_1"):
+        coarse = F.search_params(fmt, w, imp, divisors=(8.0,), steps=(15.0,), refine=0)
+        full = F.search_params(fmt, w, imp)
+        assert F.block_loss(fmt, w, full, imp).sum() < 0.99 * F.block_loss(fmt, w, coarse, imp).sum()
+
+
+def test_element_importance():
+    w = np.array([[3.0, 4.0] * 16, [0.0] * 32], np.float32)
+    ch = np.linspace(1, 2, 32).astype(np.float32)
+    e = F.element_importance(w, ch)
+    sigma2 = 12.5
+    np.testing.assert_allclose(e[0], ch * np.sqrt(sigma2 + w[0] ** 2), rtol=1e-6)
+    np.testing.assert_allclose(e[1], 0.0)
+    with pytest.raises(QuantizationError, match="importance weight"):
+        F.search_params("q4_0", w, np.ones((2, 16), np.float32))
 
 
 def test_output_error_tracks_block_loss():

@@ -8,10 +8,12 @@ Pure functions on one scale group (linears sharing an input X [n, in]):
 - `search_scale(fmt, ws, stats, grid)`: s = mean|x|^a / mean|w|^(1-a) per input channel for a on
   a grid (plus s = 1), each candidate scored by the group's output error
   || X W^T - (X / s) Q(W diag(s))^T ||^2 summed over the group's linears, with Q the round-to-
-  nearest fake quantization of the target format (fp16 d as stored). Returns the best s.
+  nearest fake quantization of the target format (fp16 d as stored); optionally the `rescore`
+  best are scored again with their searched block params (what would be stored). Returns the best s.
 - `choose_block_params(fmt, w_scaled, stats, s)`: the per-block clipping search: each block's d
   (and m) chosen to minimise sum_j E[(x_j / s_j)^2] e_j^2 (or e^T G e with the block Gram matrix
-  G of X / s when the stats carry it: slower, slightly better).
+  G of X / s when the stats carry it: slower, slightly better), optionally also weighted per
+  element by sqrt(sigma2 + w^2) (`formats.element_importance`).
 
 Scales may be tied (`tie` [in] -> index into a smaller vector): GQA's o-projection input channels
 that read the same v channel must share one scale, because 1/s is folded into that v row.
@@ -95,13 +97,19 @@ class ScaleResult:
     s: np.ndarray            # [in] per input channel (expanded from tied scales)
     s_tied: np.ndarray       # [n_tied] what is folded into the previous operator
     alpha: float | None      # None: s = 1 won
-    loss: float              # output error of round-to-nearest with s
+    loss: float              # output error with s: round-to-nearest, or the searched params if given
     loss_rtn: float          # output error of round-to-nearest without scaling
+    params: tuple[F.BlockParams, ...] | None = None   # searched block params of w * s (rescored winner)
 
 
 def search_scale(fmt: str, ws: Sequence[np.ndarray], stats: GroupStats, grid: int,
-                 tie: np.ndarray | None = None) -> ScaleResult:
-    """Grid-search AWQ's scale exponent a in [0, 1) (`grid` values) for one group."""
+                 tie: np.ndarray | None = None, rescore: int = 0, element: bool = False) -> ScaleResult:
+    """Grid-search AWQ's scale exponent a in [0, 1) (`grid` values) for one group.
+
+    Every candidate is scored with round-to-nearest; then the `rescore` best are scored again with
+    their searched block params (`choose_block_params`), which is what would be stored, and the
+    best of those wins (its params are returned with it).
+    """
     x = stats.x_search
     refs = [x @ w.T for w in ws]
     x_abs = tie_mean(stats.x_abs_mean, tie)
@@ -109,13 +117,23 @@ def search_scale(fmt: str, ws: Sequence[np.ndarray], stats: GroupStats, grid: in
     loss_rtn = output_error(fmt, ws, x, None, refs)
     ones = np.ones(x.shape[1], np.float32)
     best = ScaleResult(ones, np.ones_like(x_abs, dtype=np.float32), None, loss_rtn, loss_rtn)
+    scored = []
     for i in range(grid):
         a = i / grid
         st = scale_from_alpha(x_abs, w_abs, a)
         s = st if tie is None else st[tie]
         loss = output_error(fmt, ws, x, s, refs)
+        scored.append((loss, i, ScaleResult(s, st, a, loss, loss_rtn)))
         if loss < best.loss:
-            best = ScaleResult(s, st, a, loss, loss_rtn)
+            best = scored[-1][2]
+    if rescore <= 0:
+        return best
+    best = None
+    for _, _, r in sorted(scored, key=lambda c: c[:2])[:rescore]:
+        ps = tuple(choose_block_params(fmt, w * r.s, stats, r.s, element) for w in ws)
+        loss = output_error(fmt, ws, x, r.s, refs, ps)
+        if best is None or loss < best.loss:
+            best = ScaleResult(r.s, r.s_tied, r.alpha, loss, loss_rtn, ps)
     return best
 
 
@@ -125,8 +143,13 @@ def block_gram_scaled(gram: np.ndarray, s: np.ndarray) -> np.ndarray:
     return gram * inv[:, :, None] * inv[:, None, :]
 
 
-def choose_block_params(fmt: str, w_scaled: np.ndarray, stats: GroupStats, s: np.ndarray) -> F.BlockParams:
-    """Each block's d (and m) minimising the activation-weighted error of that block on X / s."""
+def choose_block_params(fmt: str, w_scaled: np.ndarray, stats: GroupStats, s: np.ndarray,
+                        element: bool = False) -> F.BlockParams:
+    """Each block's d (and m) minimising the activation-weighted error of that block on X / s.
+
+    element: weight each element also by sqrt(sigma2 + w^2) (`formats.element_importance`).
+    """
     if stats.gram is not None:
         return F.search_params(fmt, w_scaled, block_gram_scaled(stats.gram, s))
-    return F.search_params(fmt, w_scaled, stats.x_sq_mean / (s * s))
+    imp = stats.x_sq_mean / (s * s)
+    return F.search_params(fmt, w_scaled, F.element_importance(w_scaled, imp) if element else imp)

@@ -28,10 +28,12 @@ QK = 32                       # elements per block (Q4_0, Q4_1, Q8_0, MatMulNBit
 FORMATS = ("q4_0", "q4_1", "q8_0")
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 
-# Default search grids: Q4_0 tries d = amax_signed / -k for these k (each followed by a weighted
-# least-squares refit of d); Q4_1 shrinks the range [min, max] from each end by these fractions.
-Q4_0_DIVISORS = tuple(round(6.0 + 0.2 * i, 1) for i in range(16))   # 6.0 .. 9.0
-Q4_1_SHRINK = (0.0, 0.03, 0.06, 0.1, 0.15)
+# Default search grids. Q4_0 tries d = amax_signed / -k for these k; Q4_1 rounds (x - min) * k /
+# (max - min) for these k. Every candidate's codes are followed by a weighted least-squares refit of
+# d (Q4_0) or (d, m) (Q4_1), and the best block is refined by REFINE rounds of re-rounding + refit.
+Q4_0_DIVISORS = tuple(round(6.0 + 0.1 * i, 1) for i in range(31))   # 6.0 .. 9.0
+Q4_1_STEPS = tuple(round(12.0 + 0.15 * i, 2) for i in range(31))     # 12.0 .. 16.5
+REFINE = 2
 
 
 @dataclass(frozen=True)
@@ -171,52 +173,99 @@ def rtn_params(fmt: str, w: np.ndarray) -> BlockParams:
     return BlockParams(d16, m16)
 
 
-def _block_loss(e: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
-    """e [rows, nb, 32] -> loss [rows, nb]; weight None (plain), [K] (diagonal) or [nb, 32, 32] (Gram)."""
-    if weight is None:
-        return np.einsum("rbi,rbi->rb", e, e)
-    if weight.ndim == 1:
-        imp = weight.reshape(1, -1, QK)                           # [K] -> [1, nb, 32]
-        return np.einsum("rbi,rbi->rb", e * imp, e)
-    eg = np.matmul(e.transpose(1, 0, 2), weight)                  # [nb, rows, 32] @ [nb, 32, 32]
-    return np.einsum("bri,bri->rb", eg, e.transpose(1, 0, 2))
-
-
 def _quad(a: np.ndarray, b: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
-    """sum_ij a_i G_ij b_j per block: a, b [rows, nb, 32] -> [rows, nb]."""
+    """sum_ij a_i G_ij b_j per block: a, b [rows, nb, 32] -> [rows, nb].
+
+    weight: None (G = I), [K] (diagonal, one importance per input channel), [rows, K] (diagonal,
+    one importance per element) or [nb, 32, 32] (per-block Gram matrices of the layer's input).
+    """
     if weight is None:
         return np.einsum("rbi,rbi->rb", a, b)
     if weight.ndim == 1:
         return np.einsum("rbi,rbi->rb", a * weight.reshape(1, -1, QK), b)
+    if weight.ndim == 2:
+        return np.einsum("rbi,rbi->rb", a * weight.reshape(a.shape), b)
     ag = np.matmul(a.transpose(1, 0, 2), weight)                  # [nb, rows, 32]
     return np.einsum("bri,bri->rb", ag, b.transpose(1, 0, 2))
+
+
+def _block_loss(e: np.ndarray, weight: np.ndarray | None) -> np.ndarray:
+    """e [rows, nb, 32] -> weighted squared error [rows, nb] (weight as in `_quad`)."""
+    return _quad(e, e, weight)
+
+
+def _check_weight(w: np.ndarray, weight: np.ndarray | None) -> np.ndarray | None:
+    if weight is None:
+        return None
+    weight = np.asarray(weight, dtype=np.float32)
+    nb = w.shape[1] // QK
+    ok = {1: (w.shape[1],), 2: tuple(w.shape), 3: (nb, QK, QK)}.get(weight.ndim) == weight.shape
+    if not ok:
+        raise QuantizationError(f"importance weight must be [{w.shape[1]}], {list(w.shape)} or "
+                                f"[{nb}, {QK}, {QK}] for a weight of shape {list(w.shape)}, got {list(weight.shape)}")
+    return weight
+
+
+def element_importance(w: np.ndarray, channel: np.ndarray) -> np.ndarray:
+    """Per-element importance [rows, K] = channel[j] * sqrt(sigma2_r + w_rj^2), sigma2_r = mean_j w_rj^2.
+
+    channel [K] is the input-channel importance (mean squared activation). The factor favours the
+    larger weights of a row over what the layer's output error alone would: llama.cpp weights its
+    importance-matrix block search this way (a published heuristic; the formula is all that is used).
+    """
+    w = np.asarray(w, dtype=np.float32)
+    sigma2 = np.mean(np.square(w), axis=1, keepdims=True)
+    return (np.asarray(channel, dtype=np.float32)[None, :] * np.sqrt(sigma2 + np.square(w))).astype(np.float32)
 
 
 def block_loss(fmt: str, w: np.ndarray, params: BlockParams | None, weight: np.ndarray | None = None) -> np.ndarray:
     """Weighted error [rows, nb] of storing w with params (None = round-to-nearest)."""
     x = _blocks(w)
-    return _block_loss(x - fake_quant(fmt, w, params).reshape(x.shape), weight)
+    return _block_loss(x - fake_quant(fmt, w, params).reshape(x.shape), _check_weight(w, weight))
+
+
+def _refit(fmt: str, x: np.ndarray, q: np.ndarray, weight: np.ndarray | None, fallback: BlockParams) -> BlockParams:
+    """Weighted least-squares d (Q4_0) or (d, m) (Q4_1) for fixed codes q; `fallback` where singular."""
+    if fmt == "q4_0":
+        c = q.astype(np.float32) - 8                               # d = <c, x>_G / <c, c>_G
+        num, den = _quad(c, x, weight), _quad(c, c, weight)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d = np.where(den > 0, num / den, fallback.d.astype(np.float32))
+        return BlockParams(d.astype(np.float16))
+    qf = q.astype(np.float32)                                      # 2x2 normal equations per block
+    one = np.ones_like(qf)
+    a11, a12, a22 = _quad(qf, qf, weight), _quad(qf, one, weight), _quad(one, one, weight)
+    b1, b2 = _quad(qf, x, weight), _quad(one, x, weight)
+    det = a11 * a22 - a12 * a12
+    ok = np.abs(det) > 1e-12 * np.maximum(a11 * a22, 1e-30)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = np.where(ok, (a22 * b1 - a12 * b2) / det, np.nan)
+        m = np.where(ok, (a11 * b2 - a12 * b1) / det, np.nan)
+    good = np.isfinite(d) & np.isfinite(m) & (d >= 0) & (np.abs(d) < 6e4) & (np.abs(m) < 6e4)
+    return BlockParams(np.where(good, d, fallback.d.astype(np.float32)).astype(np.float16),
+                       np.where(good, m, fallback.m.astype(np.float32)).astype(np.float16))
 
 
 def search_params(fmt: str, w: np.ndarray, weight: np.ndarray | None = None,
-                  divisors=Q4_0_DIVISORS, shrink=Q4_1_SHRINK) -> BlockParams:
+                  divisors=Q4_0_DIVISORS, steps=Q4_1_STEPS, refine: int = REFINE) -> BlockParams:
     """Choose each block's d (and m) minimising its weighted error (never worse than round-to-nearest).
 
-    Candidates: Q4_0 d = signed max / -k for k in `divisors`, each also refitted by weighted
-    least squares for its codes; Q4_1 the range [min, max] shrunk from each end by the fractions in
-    `shrink`, then one weighted least-squares refit of (d, m) for the best codes. Every candidate is
-    scored with fp16-rounded d, m exactly as stored.
+    Candidates: Q4_0 codes of d = signed max / -k for k in `divisors`; Q4_1 codes of
+    round((x - min) * k / (max - min)) for k in `steps`. Each candidate's codes get a weighted
+    least-squares refit of d (Q4_0: also the unrefitted d is tried) or (d, m) (Q4_1); then the best
+    block is refined `refine` times (nearest codes for its d/m, refit). Every candidate is scored
+    with fp16-rounded d, m exactly as stored, and codes re-chosen nearest to the stored values.
+    `weight`: see `_quad` (None, [K], [rows, K] or [nb, 32, 32]).
     """
     _check(fmt, w)
     if fmt == "q8_0":
         return rtn_params(fmt, w)
-    if weight is not None:
-        weight = np.asarray(weight, dtype=np.float32)
+    weight = _check_weight(w, weight)
     x = _blocks(w)
     best = rtn_params(fmt, w)
     best_loss = _block_loss(x - fake_quant(fmt, w, best).reshape(x.shape), weight)
 
-    def consider(p: BlockParams) -> None:
+    def consider(p: BlockParams) -> np.ndarray:
         nonlocal best, best_loss
         q = _codes_given(fmt, x, p)
         loss = _block_loss(x - _decode(fmt, q, p.d, p.m), weight)
@@ -224,40 +273,25 @@ def search_params(fmt: str, w: np.ndarray, weight: np.ndarray | None = None,
         best_loss = np.where(better, loss, best_loss)
         best = BlockParams(np.where(better, p.d, best.d),
                            None if p.m is None else np.where(better, p.m, best.m))
+        return q
 
     if fmt == "q4_0":
         imax = np.abs(x).argmax(axis=-1)[..., None]
         mx = np.take_along_axis(x, imax, axis=-1)[..., 0]          # [rows, nb] signed max
         for k in divisors:
             p = BlockParams((mx / np.float32(-k)).astype(np.float16))
-            consider(p)
-            # weighted least squares for d given these codes: d = <c, x>_G / <c, c>_G, c = q - 8
-            c = _codes_given(fmt, x, p).astype(np.float32) - 8
-            num, den = _quad(c, x, weight), _quad(c, c, weight)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                d_ls = np.where(den > 0, num / den, p.d.astype(np.float32))
-            consider(BlockParams(d_ls.astype(np.float16)))
+            consider(_refit(fmt, x, consider(p), weight, p))
     else:
-        mx, mn = x.max(axis=-1), x.min(axis=-1)                    # [rows, nb]
+        mx, mn = x.max(axis=-1, keepdims=True), x.min(axis=-1, keepdims=True)
         rng = mx - mn
-        for lo in shrink:
-            for hi in shrink:
-                m = mn + np.float32(lo) * rng
-                d = (mx - np.float32(hi) * rng - m) / np.float32(15)
-                consider(BlockParams(d.astype(np.float16), m.astype(np.float16)))
-        # weighted least squares for (d, m) given the best codes: 2x2 normal equations per block
-        q = _codes_given(fmt, x, best).astype(np.float32)
-        one = np.ones_like(q)
-        a11, a12, a22 = _quad(q, q, weight), _quad(q, one, weight), _quad(one, one, weight)
-        b1, b2 = _quad(q, x, weight), _quad(one, x, weight)
-        det = a11 * a22 - a12 * a12
-        ok = np.abs(det) > 1e-12 * np.maximum(a11 * a22, 1e-30)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            d_ls = np.where(ok, (a22 * b1 - a12 * b2) / det, best.d.astype(np.float32))
-            m_ls = np.where(ok, (a11 * b2 - a12 * b1) / det, best.m.astype(np.float32))
-        good = np.isfinite(d_ls) & np.isfinite(m_ls) & (d_ls >= 0)
-        consider(BlockParams(np.where(good, d_ls, best.d).astype(np.float16),
-                             np.where(good, m_ls, best.m).astype(np.float16)))
+        rtn = best
+        for k in steps:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                inv = np.where(rng > 0, np.float32(k) / rng, np.float32(0))
+            q = np.clip(np.floor((x - mn) * inv + np.float32(0.5)), 0, 15)
+            consider(_refit(fmt, x, q, weight, rtn))
+    for _ in range(refine):
+        consider(_refit(fmt, x, _codes_given(fmt, x, best), weight, best))
     return best
 
 

@@ -7,7 +7,8 @@ output file as soon as they are ready. The file appears only when complete (gguf
 Per block, for each scale group (in reverse order, so that a group whose 1/s is folded into a
 linear of an earlier group is decided before that linear is quantized) three candidates are
 scored by the group's output error on calibration tokens, and the best is kept:
-  awq   AWQ scale s (grid search) + per-block d/m search on the scaled weights,
+  awq   AWQ scale s (grid search scored with round-to-nearest; the RESCORE best scored again with
+        their per-block d/m search) + per-block d/m search on the scaled weights,
   clip  s = 1 + per-block d/m search,
   rtn   plain round-to-nearest (the fallback; AWQ never makes a group worse than this).
 RTN (`method="rtn"`) is the same pipeline with the search skipped: byte-identical to gguf.quants.
@@ -38,6 +39,7 @@ from . import formats as F
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]     # (message, done, total)
+RESCORE = 3          # AWQ scale candidates (best by round-to-nearest) rescored with searched block params
 FILE_TYPE = {"q4_0": 2, "q4_1": 3}               # llama.cpp LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
 
 
@@ -115,9 +117,13 @@ def _kv_tie(cfg: ModelConfig) -> np.ndarray:
 
 
 def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarray, grid: int,
-              n_search: int, rng: np.random.Generator, layer: int = 0,
+              n_search: int, rng: np.random.Generator, layer: int = 0, rescore: int = RESCORE,
+              element: bool = False,
               ) -> tuple[dict[str, np.ndarray], dict[str, F.BlockParams | None], np.ndarray, list[GroupReport]]:
     """AWQ on one block. w: block tensors ('attn_q.weight', ...) float32; x [B, T, d] block input.
+
+    rescore: how many of the best (by round-to-nearest) scale candidates are scored again with
+    their searched block params; element: weight the block search by `formats.element_importance`.
 
     Returns (folded float weights, block params per linear (None = round-to-nearest), the float
     block output [B, T, d] (the next block's input), one report per scale group).
@@ -137,13 +143,15 @@ def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarra
         xs = st.x_search
         refs = [xs @ wi.T for wi in ws]
         tie = _kv_tie(cfg) if g.repeat_kv else None
-        sr = awq.search_scale(fmt, ws, st, grid, tie)
+        sr = awq.search_scale(fmt, ws, st, grid, tie, rescore, element)
         cands = [("rtn", None, [None] * len(ws), sr.loss_rtn)]
         ones = np.ones(xs.shape[1], np.float32)
-        pc = [awq.choose_block_params(fmt, wi, st, ones) for wi in ws]
+        pc = [awq.choose_block_params(fmt, wi, st, ones, element) for wi in ws]
         cands.append(("clip", None, pc, awq.output_error(fmt, ws, xs, None, refs, pc)))
-        if sr.alpha is not None:
-            pa = [awq.choose_block_params(fmt, wi * sr.s, st, sr.s) for wi in ws]
+        if sr.params is not None:
+            cands.append(("awq", sr, list(sr.params), sr.loss))
+        elif sr.alpha is not None:
+            pa = [awq.choose_block_params(fmt, wi * sr.s, st, sr.s, element) for wi in ws]
             cands.append(("awq", sr, pa, awq.output_error(fmt, ws, xs, sr.s, refs, pa)))
         choice, res, ps, loss = min(cands, key=lambda c: c[3])
         s = res.s if res is not None else None
