@@ -188,6 +188,8 @@ def generate(
     stats.finish_reason = None
     rng = rng if rng is not None else np.random.default_rng(sampling.seed)
     policy = policy if (policy is not None and drafter is not None) else FixedGamma(0)
+    if isinstance(policy, FixedGamma) and policy.gamma == 0:
+        drafter = None                          # plain decoding: the drafter is not even asked for a hint
     is_eog = is_eog or target.tokenizer.is_eog
     releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
 

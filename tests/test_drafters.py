@@ -78,6 +78,37 @@ def test_lookup_hint_is_the_length_of_the_verbatim_match():
     assert d.propose(ctx, 2, GREEDY, RNG) == (body[7:9], None)
 
 
+def _lookup_brute(ctx, gamma, nmax=3, nmin=1):
+    L = len(ctx)
+    for n in range(min(nmax, L - 1), nmin - 1, -1):
+        hits = [s for s in range(L - n) if ctx[s:s + n] == ctx[L - n:]]
+        if hits:
+            st = hits[-1] + n
+            out = list(ctx[st:st + gamma])
+            while len(out) < gamma:
+                out.append(out[len(out) - (L - st)])
+            return out
+    return []
+
+
+def test_lookup_incremental_index_equals_a_full_scan():
+    """The index follows a growing context (as in the decode loop) and starts afresh on an edited one."""
+    rng = np.random.default_rng(0)
+    d = PromptLookupDrafter()
+    for _ in range(60):
+        ctx: list[int] = [int(rng.integers(0, 5))]
+        vocab = int(rng.integers(2, 16))
+        for _ in range(40):
+            ctx.extend(rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist())
+            g = int(rng.integers(1, 6))
+            assert d.propose(ctx, g, GREEDY, RNG)[0] == _lookup_brute(ctx, g)
+        edited = list(ctx)
+        edited[len(edited) // 2] = 99
+        assert d.propose(edited, 3, GREEDY, RNG)[0] == _lookup_brute(edited, 3)
+        ctx[-1] = 98                           # the same list edited in place
+        assert d.propose(ctx, 3, GREEDY, RNG)[0] == _lookup_brute(ctx, 3)
+
+
 def test_model_drafter_has_one_hint_class():
     assert ModelDrafter.n_classes == 1
 

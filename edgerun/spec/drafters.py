@@ -181,12 +181,17 @@ class ModelDrafter:
 
 class PromptLookupDrafter:
     """Model-free drafting: find the latest earlier occurrence of the context's last n tokens
-    (n from ngram_max down to ngram_min) and propose what followed it. Zero extra memory.
+    (n from ngram_max down to ngram_min) and propose what followed it. No model, a few bytes per
+    context token for its index.
 
     Its hint class is how long the match really is (the matched n-gram extended backwards while the
     tokens still agree, up to 32): buckets 1, 2, 3-4, 5-8, 9-16, 17+. A continuation copied from a
     long verbatim match is accepted far more often than one keyed on a single common token, and the
-    gamma tuner learns acceptance per class, drafting only where it pays."""
+    gamma tuner learns acceptance per class, drafting only where it pays.
+
+    The n-gram index (n-gram -> latest start) is kept incrementally for a context list that only
+    grows, as the decode loop's does: a cycle costs a few dictionary lookups, not a scan of the
+    context. Any other list (a new generation, an edited context) is indexed afresh."""
 
     name = "lookup"
     vocab_fingerprint = None
@@ -200,31 +205,41 @@ class PromptLookupDrafter:
                 f"prompt lookup needs integers 1 <= ngram_min <= ngram_max, got {ngram_min!r}, {ngram_max!r}")
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
-        self._memo: tuple | None = None     # (context object, length, last token, match) of the last call
+        self.reset()
+
+    def reset(self) -> None:
+        self._ctx: Sequence[int] | None = None     # the list indexed so far
+        self._seen: list[int] = []                 # its tokens at indexing time (to detect edits)
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Index every n-gram of the context that is followed by at least one token."""
+        L, n0 = len(context), len(self._seen)
+        if not (context is self._ctx and L >= n0 and (n0 == 0 or context[n0 - 1] == self._seen[-1])):
+            self._ctx, self._seen, self._index, n0 = context, [], {}, 0
+        new = list(context[n0:L])
+        self._seen.extend(new)
+        toks, index = self._seen, self._index
+        # windows ending at e (exclusive) <= L - 1, not indexed yet: those with e > n0 - 1
+        for e in range(max(n0 - 1, 1), L):
+            for n in range(self.ngram_min, min(self.ngram_max, e) + 1):
+                index[tuple(toks[e - n:e])] = e - n
 
     def _match(self, context: Sequence[int]) -> tuple[int, int] | None:
         """(start of the copied continuation, matched length extended backwards) or None."""
         L = len(context)
         if L < 2:
             return None
-        memo = self._memo
-        if memo is not None and memo[0] is context and memo[1] == L and memo[2] == context[-1]:
-            return memo[3]
-        arr = np.asarray(context, dtype=np.int64)
-        found = None
+        self._sync(context)
+        toks = self._seen
         for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
-            # windows [L-n, n]: window s is arr[s:s+n], each followed by at least one token
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
-            hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
-            if hits.size:
-                h = int(hits[-1])
+            h = self._index.get(tuple(toks[L - n:]))
+            if h is not None:
                 k = n
-                while k < self._EXTEND_MAX and h - 1 - (k - n) >= 0 and context[h - 1 - (k - n)] == context[L - 1 - k]:
+                while k < self._EXTEND_MAX and h - 1 - (k - n) >= 0 and toks[h - 1 - (k - n)] == toks[L - 1 - k]:
                     k += 1
-                found = (h + n, k)
-                break
-        self._memo = (context, L, context[-1], found)
-        return found
+                return h + n, k
+        return None
 
     def hint(self, context: Sequence[int]) -> int | None:
         m = self._match(context)
@@ -248,11 +263,8 @@ class PromptLookupDrafter:
             out.append(out[len(out) - (L - start)])
         return out, None
 
-    def reset(self) -> None:
-        self._memo = None
-
     def close(self) -> None:
-        self._memo = None
+        self.reset()
 
 
 # ---------------------------------------------------------------------------------- factory

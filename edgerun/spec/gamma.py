@@ -59,7 +59,7 @@ class GammaTuner:
     """Cost model + online acceptance per drafter hint class -> gamma per cycle (module docstring)."""
 
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, alpha_prior: float = 0.6,
-                 prior_strength: float = 1.0, class_strength: float = 4.0, pool_strength: float = 2.0,
+                 prior_strength: float = 1.0, class_strength: float = 4.0, pool_strength: float = 4.0,
                  supply_prior: float = 0.95, decay: float = 0.98, hysteresis: float = 0.03,
                  explore_every: int = 16, explore_max: int = 256, explore_budget: float = 0.01,
                  warmup_cycles: int = 2, time_ema: float = 0.2, shape_rate: float = 0.05,
