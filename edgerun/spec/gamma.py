@@ -63,7 +63,7 @@ class GammaTuner:
                  supply_prior: float = 0.95, decay: float = 0.98, hysteresis: float = 0.03,
                  explore_every: int = 16, explore_max: int = 256, explore_budget: float = 0.01,
                  warmup_cycles: int = 2, time_ema: float = 0.2, shape_rate: float = 0.05,
-                 thompson: bool = True, seed: int = 0) -> None:
+                 thompson: bool = True, seed: int = 0, warmup_gamma: int = 2) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
@@ -76,8 +76,8 @@ class GammaTuner:
                                   f"got {decay}, {hysteresis}, {time_ema}")
         if not 0 < explore_budget <= 1:
             raise InvalidArgument(f"explore_budget must be in (0, 1], got {explore_budget}")
-        if warmup_cycles < 0:
-            raise InvalidArgument(f"warmup_cycles must be >= 0, got {warmup_cycles}")
+        if warmup_cycles < 0 or warmup_gamma < 1:
+            raise InvalidArgument(f"need warmup_cycles >= 0 and warmup_gamma >= 1, got {warmup_cycles}, {warmup_gamma}")
         if explore_every < 1 or explore_max < explore_every:
             raise InvalidArgument(f"need 1 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
         self.cost = cost
@@ -92,6 +92,7 @@ class GammaTuner:
         self.explore_budget = explore_budget
         self.shape_rate = shape_rate
         self.thompson = thompson
+        self.warmup_gamma = min(warmup_gamma, gamma_max)
         self._rng = np.random.default_rng(seed)
         C, G = n_classes, gamma_max
         # decayed counts per hint class and drafted position i = 1..G (index [class, i - 1])
@@ -227,7 +228,7 @@ class GammaTuner:
         elif g == 0 and self._n_drafting[c] < self.warmup_cycles:
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
-            g = min(2, self.gamma_max)
+            g = self.warmup_gamma
         elif g == 0 and self._since_explore[c] >= max(self.explore_every, self._off_gap()):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
             # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle)
