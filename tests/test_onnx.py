@@ -18,7 +18,7 @@ import gguf  # noqa: E402
 
 from edgerun.backends import open_backend  # noqa: E402
 from edgerun.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from edgerun.backends.onnxrt import OnnxBackend, select_providers  # noqa: E402
+from edgerun.backends.onnxrt import OnnxBackend, new_ranges, parse_anon_ranges, select_providers  # noqa: E402
 from edgerun.backends.reference import ReferenceBackend  # noqa: E402
 from edgerun.config import BackendArgs, SamplingArgs  # noqa: E402
 from edgerun.errors import ContextOverflow, InvalidArgument, ModelFormatError, ModelNotFound  # noqa: E402
@@ -198,6 +198,30 @@ def test_logit_selection_and_context_limits(exports):
     b.close()
 
 
+def test_step_inputs_bound_once_follow_every_step(exports):
+    """input_ids/num_logits_to_keep stay bound between steps of one length (values written in place):
+    a walk of mixed lengths, logit counts and rollbacks matches the numpy reference at every step."""
+    src, out = exports(accuracy_level=1, arch="llama")
+    b, ref = OnnxBackend(out, ARGS), ReferenceBackend(src)
+    toks = tokens_of(b) * 3
+    assert len(toks) >= 40
+    scale = np.abs(ref.eval(toks[:4])).max()
+    b.eval(toks[:4], n_logits=0)
+    returned = []
+    for n, k, back in [(1, None, 0), (1, None, 0), (1, 1, 0), (3, None, 0), (3, 1, 2), (1, 0, 0), (1, None, 1),
+                       (2, 2, 0), (1, None, 0), (20, 5, 0), (1, None, 0)]:
+        chunk = toks[b.n_past:b.n_past + n]
+        got, want = b.eval(chunk, n_logits=k), ref.eval(chunk, n_logits=k)
+        assert got.shape == want.shape and b.n_past == ref.n_past
+        np.testing.assert_allclose(got, want, atol=1e-4 * scale, rtol=0)
+        returned.append((got, got.copy()))
+        b.truncate(b.n_past - back)
+        ref.truncate(ref.n_past - back)
+    for got, snapshot in returned:                # each eval returned its own array: later steps left it alone
+        np.testing.assert_array_equal(got, snapshot)
+    b.close()
+
+
 def test_truncate_and_reeval_equals_fresh_run(exports):
     _, out = exports(arch="qwen2", tied=True)
     toks = tokens_of(OnnxBackend(out, ARGS))
@@ -337,6 +361,23 @@ def test_graph_without_the_expected_inputs(exports, tmp_path):
     (d / MODEL_FILE).write_bytes(b"garbage")
     with pytest.raises(ModelFormatError, match="cannot load"):
         OnnxBackend(d, ARGS)
+
+
+def test_new_anonymous_memory_spans_for_huge_pages():
+    maps = """55a48ecf8000-55a490000000 rw-p 00000000 00:00 0                          [heap]
+7f4000000000-7f4000600000 rw-p 00000000 00:00 0
+7f4010a63000-7f4010dc3000 r--p 00000000 fd:01 123                        /x/model.onnx.data
+7f4020000000-7f4020200000 rw-s 00000000 00:05 9                          /dev/shm/x
+7f4030000000-7f4030100000 rw-p 00000000 00:00 0
+"""
+    spans = parse_anon_ranges(maps)
+    assert spans == {0x55a48ecf8000: 0x55a490000000, 0x7f4000000000: 0x7f4000600000, 0x7f4030000000: 0x7f4030100000}
+    mb2 = 2 << 20
+    grown = {**spans, 0x55a48ecf8000: 0x55a498000000, 0x7f4050000000: 0x7f4050500000}
+    before = dict(spans)
+    # the heap's new tail (page-aligned inwards) and the new mapping; unchanged and small ones are left out
+    assert new_ranges(before, grown, mb2) == [(0x55a490000000, 0x55a498000000), (0x7f4050000000, 0x7f4050400000)]
+    assert new_ranges(before, before, mb2) == []
 
 
 def test_unavailable_execution_provider_falls_back_with_a_log_line(exports, caplog):
