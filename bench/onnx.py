@@ -5,9 +5,18 @@ embeddings Q8_0) -> `edgerun export onnx` (a lossless re-pairing of the same blo
 
 - parity: top-1 agreement and logit differences over the first --positions tokens of real text
   (CPython's reference prose, teacher-forced) between the ONNX backend, the llama.cpp backend and
-  (--reference) the numpy forward of the dequantized weights;
+  (--reference) the numpy forward of the dequantized weights; also, as a separate figure, the
+  agreement without near-ties (positions where the second engine's top-2 margin is under the mean
+  |dlogit|); --parity-detail adds ONNX in fp32 (accuracy_level 1) and llama.cpp without flash
+  attention with an fp16 and an f32 K/V cache, to see which approximation dominates;
 - decode tokens/s of the same greedy decode loop (edgerun.generate, gamma 0) on each backend, and
-  onnxruntime-genai's own greedy loop on the same exported graph (prefill excluded everywhere);
+  onnxruntime-genai's own greedy loop on the same exported graph (prefill excluded everywhere), all
+  with --threads intra-op threads (genai's own default would be half the logical CPUs); median and
+  best of --repeats, and CPU seconds per token (all threads of the process);
+- lock-step CPU per token (--lockstep N tokens, 1 thread): an edgerun generate() step on the ONNX
+  backend and a genai step alternate token by token, each timed by the CPU clock of this thread, so
+  other jobs on the machine cancel out (genai's own loop is C++: this is edgerun's whole Python
+  overhead plus the backend's, against none);
 - verify cost T(n)/T(1), n = 1..8: one eval of n new positions after a fixed prefix;
 - speculative pair (--spec-pair TARGET:DRAFT, both exported): greedy plain vs greedy speculative on
   the ONNX backend (tokens must be identical), a llama.cpp drafter for an ONNX target, and
@@ -20,11 +29,14 @@ bench/results/onnx.json and prints a table. Needs `pip install onnxruntime-genai
     python bench/onnx.py [--models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct]
                          [--spec-pair qwen2.5-coder-1.5b-instruct:qwen2.5-coder-0.5b-instruct | none]
                          [--positions 300] [--tokens 64] [--repeats 3] [--threads 2] [--reference]
+                         [--lockstep 128] [--parity-detail] [--parity-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -61,6 +73,15 @@ def parity_text() -> str:
 
 # ------------------------------------------------------------------------------------- preparation
 
+def export_acc1(q: Path, work: Path, n_ctx: int, log) -> Path:
+    """The same Q4_0 GGUF exported with accuracy_level 1 (fp32 activations), cached under `work`."""
+    out = work / f"{q.stem}.acc1.onnx"
+    if not out.exists() or read_config(out).n_ctx < n_ctx:
+        export_onnx(q, out, n_ctx=n_ctx, accuracy_level=1, force=out.exists())
+        log(f"{q.stem}: accuracy_level 1 export")
+    return out
+
+
 def prepare(name: str, work: Path, n_ctx: int, log) -> tuple[Path, Path]:
     """(Q4_0 GGUF, ONNX export) of a registry model or a local GGUF, cached under `work`."""
     from edgerun.quant.pipeline import quantize
@@ -84,39 +105,92 @@ def prepare(name: str, work: Path, n_ctx: int, log) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------------- measurements
 
 def agreement(a: np.ndarray, b: np.ndarray) -> dict:
+    """a vs b [positions, V]. top1_excluding_near_ties is a separate, looser figure: the agreement over
+    the positions where b's top-2 logit margin is at least the mean |a - b| (the rest are near-ties
+    that the measured noise alone can flip)."""
     d = np.abs(a.astype(np.float64) - b)
-    return {"top1_agreement": float((a.argmax(1) == b.argmax(1)).mean()), "max_abs_diff": float(d.max()),
-            "mean_abs_diff": float(d.mean()), "logit_std": float(b.std())}
+    same = a.argmax(1) == b.argmax(1)
+    top2 = np.sort(b, axis=1)[:, -2:]                    # [positions, 2]
+    clear = (top2[:, 1] - top2[:, 0]) >= d.mean()
+    return {"top1_agreement": float(same.mean()), "n_differ": int((~same).sum()), "max_abs_diff": float(d.max()),
+            "mean_abs_diff": float(d.mean()), "logit_std": float(b.std()),
+            "top1_excluding_near_ties": float(same[clear].mean()), "near_ties_excluded": int((~clear).sum())}
 
 
-def parity(gguf_q: Path, onnx_dir: Path, n_pos: int, args: BackendArgs, reference: bool) -> dict:
+@contextlib.contextmanager
+def llama_f32_kv():
+    """llama.cpp contexts created inside this block keep K/V in float32 (BackendArgs has no cache type:
+    a bench-only switch around the backend's context creation). With flash attention on, llama.cpp's
+    CPU attention computes in fp16 whatever the cache type (bit-identical logits): pair it with
+    flash_attn=False to see float32 attention."""
+    from edgerun import llama_lib
+
+    L = llama_lib.lib()
+    create = L.llama_init_from_model
+
+    def init(model, params):
+        params.type_k = params.type_v = 0                # GGML_TYPE_F32
+        return create(model, params)
+
+    L.llama_init_from_model = init
+    try:
+        yield
+    finally:
+        L.llama_init_from_model = create
+
+
+def parity(gguf_q: Path, onnx_dir: Path, n_pos: int, args: BackendArgs, reference: bool,
+           acc1_dir: Path | None = None) -> dict:
+    """Teacher-forced logits of the first n_pos tokens of parity_text() on each engine, compared.
+    acc1_dir (an accuracy_level 1 export of the same weights) adds the detail runs: ONNX in fp32 and
+    llama.cpp without flash attention, with an fp16 and an f32 K/V cache."""
     ob = OnnxBackend(onnx_dir, args)
     toks = ob.tokenizer.tokenize(parity_text())[:n_pos]
-    lo = ob.eval(toks)
+    logits = {"onnx": ob.eval(toks)}
     ob.close()
     lb = LlamaCppBackend(gguf_q, args)
-    ll = lb.eval(toks)
+    logits["llamacpp"] = lb.eval(toks)
     lb.close()
-    res = {"positions": len(toks), "onnx_vs_llamacpp": agreement(lo, ll)}
+    pairs = [("onnx", "llamacpp")]
+    if acc1_dir is not None:
+        ob = OnnxBackend(acc1_dir, args)
+        logits["onnx_acc1"] = ob.eval(toks)
+        ob.close()
+        nofa = dataclasses.replace(args, flash_attn=False)
+        lb = LlamaCppBackend(gguf_q, nofa)
+        logits["llamacpp_nofa"] = lb.eval(toks)
+        lb.close()
+        with llama_f32_kv():
+            lb = LlamaCppBackend(gguf_q, nofa)
+            logits["llamacpp_f32kv_nofa"] = lb.eval(toks)
+            lb.close()
+        pairs += [("onnx", "llamacpp_nofa"), ("onnx", "llamacpp_f32kv_nofa"), ("onnx_acc1", "llamacpp"),
+                  ("onnx_acc1", "llamacpp_f32kv_nofa"), ("llamacpp", "llamacpp_nofa")]
     if reference:
         from edgerun.reference.llama import ReferenceModel
 
         ref = ReferenceModel.from_gguf(gguf_q, dtype=np.float32)
-        lr = ref.forward(toks)
+        logits["reference"] = ref.forward(toks)
         del ref
-        res["onnx_vs_reference"] = agreement(lo, lr)
-        res["llamacpp_vs_reference"] = agreement(ll, lr)
-    return res
+        pairs += [(k, "reference") for k in logits if k != "reference"]
+    return {"positions": len(toks), **{f"{x}_vs_{y}": agreement(logits[x], logits[y]) for x, y in pairs}}
 
 
 def decode_rate(backend, prompt: list[int], n: int, drafter=None, gamma: int = 0) -> tuple[float, list[int], GenStats]:
+    rate, _, toks, stats = decode_run(backend, prompt, n, drafter, gamma)
+    return rate, toks, stats
+
+
+def decode_run(backend, prompt: list[int], n: int, drafter=None, gamma: int = 0):
+    """(tokens/s, CPU s per token, tokens, stats) of one greedy generation; timed from the first token."""
     backend.truncate(0)
-    stamps, toks, stats = [], [], GenStats()
+    stamps, cpu, toks, stats = [], [], [], GenStats()
     for step in generate(backend, prompt, GREEDY, max_tokens=n, drafter=drafter, policy=FixedGamma(gamma),
                          rng=np.random.default_rng(0), stats=stats):
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         toks.append(step.token)
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), toks, stats
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (cpu[-1] - cpu[0]) / (len(cpu) - 1), toks, stats
 
 
 def verify_curve(backend, prefix: list[int], repeats: int, n_max: int = 8) -> dict[int, float]:
@@ -135,28 +209,76 @@ def verify_curve(backend, prefix: list[int], repeats: int, n_max: int = 8) -> di
     return out
 
 
-def genai_run(model_dir: Path, prompt: list[int], n: int, threads: int, speculative: int = 0) -> dict:
+def genai_model(model_dir: Path, threads: int):
+    """onnxruntime-genai's model on the CPU with `threads` intra-op threads for every session in the
+    config (its default is half the logical CPUs: 1 on this 2-core machine)."""
     import onnxruntime_genai as og
 
     cfg = og.Config(str(model_dir))
     cfg.clear_providers()
-    model = og.Model(cfg)
+    sections = json.loads((model_dir / "genai_config.json").read_text())["model"]
+    threads_of = {"session_options": {"intra_op_num_threads": threads}}
+    cfg.overlay(json.dumps({"model": {k: threads_of for k in ("decoder", "draft") if k in sections}}))
+    return og.Model(cfg)
+
+
+def genai_run(model_dir: Path, prompt: list[int], n: int, threads: int, speculative: int = 0) -> dict:
+    import onnxruntime_genai as og
+
+    model = genai_model(model_dir, threads)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(prompt) + n, do_sample=False)
     if speculative:
         params.set_speculative_options(max_draft_tokens=speculative)
     g = og.Generator(model, params)
     g.append_tokens(np.asarray([prompt], dtype=np.int32))
-    stamps, toks = [], []
+    stamps, cpu, toks = [], [], []
     while not g.is_done() and len(toks) < n:
         g.generate_next_token()
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         toks.append(int(g.get_next_tokens()[0]))
-    res = {"tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "tokens": toks}
+    res = {"tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]), "tokens": toks,
+           "cpu_s_per_token": (cpu[-1] - cpu[0]) / (len(cpu) - 1)}
     if speculative:
         st = g.get_speculative_stats()
         res["acceptance_rate"] = float(st.get("acceptance_rate", 0.0))
     return res
+
+
+def lockstep_cpu(onnx_dir: Path, prompt: list[int], n: int, n_ctx: int) -> dict:
+    """Median CPU ms per token, 1 intra-op thread: an edgerun generate() step on a fresh ONNX backend
+    and an onnxruntime-genai step on the same graph alternate token by token (thread CPU clock, so
+    the load of other jobs cancels out)."""
+    import onnxruntime_genai as og
+
+    ob = OnnxBackend(onnx_dir, BackendArgs(n_ctx=n_ctx, n_threads=1))
+    model = genai_model(onnx_dir, 1)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n + 1, do_sample=False)
+    g = og.Generator(model, params)
+    g.append_tokens(np.asarray([prompt], dtype=np.int32))
+    steps = generate(ob, prompt, GREEDY, max_tokens=n + 1, rng=np.random.default_rng(0), is_eog=lambda t: False)
+    next(steps)                                   # prefill + first token on both sides
+    g.generate_next_token()
+    e, q, diverged, same = [], [], False, 0
+    for _ in range(n):
+        if g.is_done():
+            break
+        t0 = time.thread_time()
+        tok = next(steps).token
+        t1 = time.thread_time()
+        g.generate_next_token()
+        t2 = time.thread_time()
+        diverged = diverged or tok != int(g.get_next_tokens()[0])
+        same += not diverged
+        e.append(t1 - t0)
+        q.append(t2 - t1)
+    steps.close()
+    ob.close()
+    em, gm = statistics.median(e), statistics.median(q)
+    # same_prefix: greedy tokens equal before the first difference (near-ties may differ: see README)
+    return {"tokens": len(e), "onnx_ms": 1e3 * em, "genai_ms": 1e3 * gm, "ratio": em / gm, "same_prefix": same}
 
 
 def genai_speculative_dir(target: Path, draft: Path, work: Path, gamma: int) -> Path:
@@ -200,6 +322,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reference", action="store_true", help="Also compare with the numpy forward (slow).")
+    ap.add_argument("--parity-detail", action="store_true",
+                    help="Parity also with ONNX in fp32 (accuracy_level 1) and llama.cpp without flash attention, "
+                         "fp16 and f32 K/V cache.")
+    ap.add_argument("--parity-only", action="store_true", help="Only the parity runs (no speed, no speculative pair).")
+    ap.add_argument("--lockstep", type=int, default=128,
+                    help="Tokens of the lock-step CPU comparison with onnxruntime-genai (0: skip).")
     ap.add_argument("--work", default=None, help="Cache of quantized/exported models (default $EDGERUN_HOME/bench-onnx).")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "onnx.json"))
     a = ap.parse_args()
@@ -216,7 +344,7 @@ def main() -> None:
         log("onnxruntime-genai is not installed: the peer columns are skipped (pip install onnxruntime-genai)")
     import onnxruntime
 
-    result = {"threads": a.threads, "tokens": a.tokens, "onnxruntime": onnxruntime.__version__,
+    result = {"threads": a.threads, "tokens": a.tokens, "repeats": a.repeats, "onnxruntime": onnxruntime.__version__,
               "genai": __import__("onnxruntime_genai").__version__ if genai else None, "models": {}}
 
     for name in [m for m in a.models.split(",") if m]:
@@ -224,25 +352,38 @@ def main() -> None:
         cfg = read_config(ox)
         r = {"gguf": str(q), "onnx": str(ox), "lossless": cfg.lossless, "weight_bytes": cfg.weight_bytes}
         log(f"{name}: parity over {a.positions} positions")
-        r["parity"] = parity(q, ox, a.positions, args, a.reference)
+        acc1 = export_acc1(q, work, n_ctx, log) if a.parity_detail else None
+        r["parity"] = parity(q, ox, a.positions, args, a.reference, acc1)
+        if a.parity_only:
+            result["models"][name] = r
+            save(result, Path(a.out))
+            continue
         ob, lb = OnnxBackend(ox, args), LlamaCppBackend(q, args)
         prompt = lb.tokenizer.tokenize(PROMPT)
         rates = {"onnx": [], "llamacpp": [], "genai": []}
+        cpus = {"onnx": [], "llamacpp": [], "genai": []}
         curves = {"onnx": [], "llamacpp": []}
         toks = {}
         for rep in range(a.repeats):
             log(f"{name}: speed round {rep + 1}/{a.repeats}")
             for key, be in (("onnx", ob), ("llamacpp", lb)):
-                rate, toks[key], _ = decode_rate(be, prompt, a.tokens)
+                rate, cpu, toks[key], _ = decode_run(be, prompt, a.tokens)
                 rates[key].append(rate)
+                cpus[key].append(cpu)
                 curves[key].append(verify_curve(be, prompt, 3))
             if genai:
                 g = genai_run(ox, prompt, a.tokens, a.threads)
                 rates["genai"].append(g["tokens_per_s"])
+                cpus["genai"].append(g["cpu_s_per_token"])
                 toks["genai"] = g["tokens"]
         ob.close()
         lb.close()
         r["decode_tokens_per_s"] = {k: statistics.median(v) for k, v in rates.items() if v}
+        r["decode_tokens_per_s_best"] = {k: max(v) for k, v in rates.items() if v}
+        r["decode_cpu_ms_per_token"] = {k: 1e3 * statistics.median(v) for k, v in cpus.items() if v}
+        if genai and a.lockstep:
+            log(f"{name}: lock-step CPU comparison with onnxruntime-genai, {a.lockstep} tokens")
+            r["lockstep_1_thread"] = lockstep_cpu(ox, prompt, a.lockstep, n_ctx)
         r["verify_cost"] = {k: {n: statistics.median(c[n] for c in v) / statistics.median(c[1] for c in v)
                                 for n in range(1, 9)} for k, v in curves.items()}
         r["verify_t1_ms"] = {k: 1000 * statistics.median(c[1] for c in v) for k, v in curves.items()}
@@ -251,7 +392,7 @@ def main() -> None:
         result["models"][name] = r
         save(result, Path(a.out))                 # partial results survive an interrupted run
 
-    if a.spec_pair != "none":
+    if a.spec_pair != "none" and not a.parity_only:
         t_name, d_name = a.spec_pair.split(":")
         (tq, tx), (dq, dx) = prepare(t_name, work, n_ctx, log), prepare(d_name, work, n_ctx, log)
         target = OnnxBackend(tx, args)
@@ -316,15 +457,29 @@ def print_table(r: dict) -> None:
     print(f"\nONNX backend vs llama.cpp backend (same Q4_0 weights), {r['threads']} threads, "
           f"onnxruntime {r['onnxruntime']}, onnxruntime-genai {r['genai']}")
     print(f"{'model':32} {'top-1 onnx~llama':>16} {'mean|dlogit|':>12} {'decode tok/s onnx':>18} "
-          f"{'llama.cpp':>10} {'genai':>8} {'onnx/llama':>10}")
+          f"{'llama.cpp':>10} {'genai':>8} {'onnx/llama':>10} {'onnx/genai':>10}")
     for name, m in r["models"].items():
-        p, d = m["parity"], m["decode_tokens_per_s"]
+        p, nan = m["parity"], float("nan")
+        for k, v in p.items():
+            if k != "positions":
+                print(f"{name:32} {k:38} top-1 {v['top1_agreement']:.4f} ({v['n_differ']} of {p['positions']} differ), "
+                      f"mean |dlogit| {v['mean_abs_diff']:.4f}; without near-ties {v['top1_excluding_near_ties']:.4f} "
+                      f"({v['near_ties_excluded']} excluded)")
+        if "decode_tokens_per_s" not in m:
+            continue
+        d = m["decode_tokens_per_s"]
         print(f"{name:32} {p['onnx_vs_llamacpp']['top1_agreement']:16.3f} "
               f"{p['onnx_vs_llamacpp']['mean_abs_diff']:12.3f} {d['onnx']:18.1f} {d['llamacpp']:10.1f} "
-              f"{d.get('genai', float('nan')):8.1f} {d['onnx'] / d['llamacpp']:10.2f}")
-        if "onnx_vs_reference" in p:
-            print(f"{'':32} top-1 vs numpy reference: onnx {p['onnx_vs_reference']['top1_agreement']:.3f}, "
-                  f"llama.cpp {p['llamacpp_vs_reference']['top1_agreement']:.3f}")
+              f"{d.get('genai', nan):8.1f} {d['onnx'] / d['llamacpp']:10.2f} {d['onnx'] / d.get('genai', nan):10.2f}")
+        if "decode_tokens_per_s_best" in m:
+            b, c = m["decode_tokens_per_s_best"], m["decode_cpu_ms_per_token"]
+            print(f"{'':32} best of {r.get('repeats', '?')}: onnx {b['onnx']:.1f}, llama.cpp {b['llamacpp']:.1f}, "
+                  f"genai {b.get('genai', nan):.1f} tok/s; CPU ms/token onnx {c['onnx']:.1f}, "
+                  f"llama.cpp {c['llamacpp']:.1f}, genai {c.get('genai', nan):.1f}")
+        ls = m.get("lockstep_1_thread")
+        if ls:
+            print(f"{'':32} lock-step, 1 thread, CPU ms/token: onnx {ls['onnx_ms']:.2f}, genai {ls['genai_ms']:.2f} "
+                  f"(onnx/genai {ls['ratio']:.3f}; first {ls['same_prefix']} of {ls['tokens']} tokens equal)")
         for k, c in m["verify_cost"].items():
             print(f"{'':32} T(n)/T(1) {k:9} " + " ".join(f"{c[n]:.2f}" for n in range(1, 9))
                   + f"   (T(1) {m['verify_t1_ms'][k]:.1f} ms)")
