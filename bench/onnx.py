@@ -13,10 +13,11 @@ embeddings Q8_0) -> `edgerun export onnx` (a lossless re-pairing of the same blo
   onnxruntime-genai's own greedy loop on the same exported graph (prefill excluded everywhere), all
   with --threads intra-op threads (genai's own default would be half the logical CPUs); median and
   best of --repeats, and CPU seconds per token (all threads of the process);
-- lock-step CPU per token (--lockstep N tokens, 1 thread): an edgerun generate() step on the ONNX
-  backend and a genai step alternate token by token, each timed by the CPU clock of this thread, so
-  other jobs on the machine cancel out (genai's own loop is C++: this is edgerun's whole Python
-  overhead plus the backend's, against none);
+- lock-step CPU per token (--lockstep N tokens, 1 thread, in a fresh process): an edgerun generate()
+  step on the ONNX backend and a genai step alternate token by token, each timed by the CPU clock of
+  this thread, so other jobs on the machine cancel out (genai's own loop is C++: this is edgerun's
+  whole Python overhead plus the backend's, against none); once as loaded (the ONNX backend puts
+  its weights on huge pages, genai does not) and once with every large allocation on huge pages;
 - verify cost T(n)/T(1), n = 1..8: one eval of n new positions after a fixed prefix;
 - speculative pair (--spec-pair TARGET:DRAFT, both exported): greedy plain vs greedy speculative on
   the ONNX backend (tokens must be identical), a llama.cpp drafter for an ONNX target, and
@@ -281,6 +282,22 @@ def lockstep_cpu(onnx_dir: Path, prompt: list[int], n: int, n_ctx: int) -> dict:
     return {"tokens": len(e), "onnx_ms": 1e3 * em, "genai_ms": 1e3 * gm, "ratio": em / gm, "same_prefix": same}
 
 
+def lockstep_in_fresh_process(onnx_dir: Path, prompt: list[int], n: int, n_ctx: int, all_huge_pages: bool) -> dict:
+    """lockstep_cpu in a new Python process: the engines get fresh memory, not what earlier sessions of
+    this run freed. all_huge_pages: glibc backs every large allocation with transparent huge pages
+    (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), so genai's weights get them as well as the ONNX backend's
+    (which collapses its own after loading): then only the decode loops differ."""
+    import subprocess
+
+    env = dict(os.environ)
+    if all_huge_pages:
+        env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    job = json.dumps({"onnx_dir": str(onnx_dir), "prompt": prompt, "n": n, "n_ctx": n_ctx})
+    out = subprocess.run([sys.executable, __file__, "--lockstep-child", job], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def genai_speculative_dir(target: Path, draft: Path, work: Path, gamma: int) -> Path:
     """A composite genai_config.json: the target's decoder plus the drafter's as model.draft.
 
@@ -328,9 +345,14 @@ def main() -> None:
     ap.add_argument("--parity-only", action="store_true", help="Only the parity runs (no speed, no speculative pair).")
     ap.add_argument("--lockstep", type=int, default=128,
                     help="Tokens of the lock-step CPU comparison with onnxruntime-genai (0: skip).")
+    ap.add_argument("--lockstep-child", default=None, help=argparse.SUPPRESS)   # internal: one lock-step job (JSON)
     ap.add_argument("--work", default=None, help="Cache of quantized/exported models (default $EDGERUN_HOME/bench-onnx).")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "onnx.json"))
     a = ap.parse_args()
+    if a.lockstep_child:
+        job = json.loads(a.lockstep_child)
+        print(json.dumps(lockstep_cpu(Path(job["onnx_dir"]), job["prompt"], job["n"], job["n_ctx"])))
+        return
 
     from edgerun.registry import cache_dir
 
@@ -383,7 +405,8 @@ def main() -> None:
         r["decode_cpu_ms_per_token"] = {k: 1e3 * statistics.median(v) for k, v in cpus.items() if v}
         if genai and a.lockstep:
             log(f"{name}: lock-step CPU comparison with onnxruntime-genai, {a.lockstep} tokens")
-            r["lockstep_1_thread"] = lockstep_cpu(ox, prompt, a.lockstep, n_ctx)
+            r["lockstep_1_thread"] = lockstep_in_fresh_process(ox, prompt, a.lockstep, n_ctx, False)
+            r["lockstep_1_thread_all_huge_pages"] = lockstep_in_fresh_process(ox, prompt, a.lockstep, n_ctx, True)
         r["verify_cost"] = {k: {n: statistics.median(c[n] for c in v) / statistics.median(c[1] for c in v)
                                 for n in range(1, 9)} for k, v in curves.items()}
         r["verify_t1_ms"] = {k: 1000 * statistics.median(c[1] for c in v) for k, v in curves.items()}
@@ -476,10 +499,12 @@ def print_table(r: dict) -> None:
             print(f"{'':32} best of {r.get('repeats', '?')}: onnx {b['onnx']:.1f}, llama.cpp {b['llamacpp']:.1f}, "
                   f"genai {b.get('genai', nan):.1f} tok/s; CPU ms/token onnx {c['onnx']:.1f}, "
                   f"llama.cpp {c['llamacpp']:.1f}, genai {c.get('genai', nan):.1f}")
-        ls = m.get("lockstep_1_thread")
-        if ls:
-            print(f"{'':32} lock-step, 1 thread, CPU ms/token: onnx {ls['onnx_ms']:.2f}, genai {ls['genai_ms']:.2f} "
-                  f"(onnx/genai {ls['ratio']:.3f}; first {ls['same_prefix']} of {ls['tokens']} tokens equal)")
+        for key, what in (("lockstep_1_thread", "as loaded"), ("lockstep_1_thread_all_huge_pages", "all on huge pages")):
+            ls = m.get(key)
+            if ls:
+                print(f"{'':32} lock-step, 1 thread, {what}, CPU ms/token: onnx {ls['onnx_ms']:.2f}, genai "
+                      f"{ls['genai_ms']:.2f} (onnx/genai {ls['ratio']:.3f}; first {ls['same_prefix']} of "
+                      f"{ls['tokens']} tokens equal)")
         for k, c in m["verify_cost"].items():
             print(f"{'':32} T(n)/T(1) {k:9} " + " ".join(f"{c[n]:.2f}" for n in range(1, 9))
                   + f"   (T(1) {m['verify_t1_ms'][k]:.1f} ms)")

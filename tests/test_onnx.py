@@ -371,13 +371,15 @@ def test_new_anonymous_memory_spans_for_huge_pages():
 7f4030000000-7f4030100000 rw-p 00000000 00:00 0
 """
     spans = parse_anon_ranges(maps)
-    assert spans == {0x55a48ecf8000: 0x55a490000000, 0x7f4000000000: 0x7f4000600000, 0x7f4030000000: 0x7f4030100000}
+    assert spans == {0x55a48ecf8000: (0x55a490000000, True), 0x7f4000000000: (0x7f4000600000, False),
+                     0x7f4030000000: (0x7f4030100000, False)}
     mb2 = 2 << 20
-    grown = {**spans, 0x55a48ecf8000: 0x55a498000000, 0x7f4050000000: 0x7f4050500000}
-    before = dict(spans)
-    # the heap's new tail (page-aligned inwards) and the new mapping; unchanged and small ones are left out
-    assert new_ranges(before, grown, mb2) == [(0x55a490000000, 0x55a498000000), (0x7f4050000000, 0x7f4050400000)]
-    assert new_ranges(before, before, mb2) == []
+    grown = {**spans, 0x7f4000000000: (0x7f4000a00000, False), 0x7f4050000000: (0x7f4050500000, False)}
+    # the whole heap (freed memory there is handed out again), a mapping's new tail and a new mapping,
+    # each page-aligned inwards; unchanged and small mappings are left out
+    assert new_ranges(spans, grown, mb2) == [(0x55a48ee00000, 0x55a490000000), (0x7f4000600000, 0x7f4000a00000),
+                                             (0x7f4050000000, 0x7f4050400000)]
+    assert new_ranges(spans, spans, mb2) == [(0x55a48ee00000, 0x55a490000000)]
 
 
 def test_unavailable_execution_provider_falls_back_with_a_log_line(exports, caplog):

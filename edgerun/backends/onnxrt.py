@@ -274,18 +274,18 @@ class OnnxBackend:
 MADV_COLLAPSE = 25          # <linux/mman.h>, Linux >= 6.1: make huge pages now, whatever the THP sysfs mode
 
 
-def parse_anon_ranges(maps: str) -> dict[int, int]:
-    """start -> end of the private writable anonymous mappings (incl. [heap]) in /proc/<pid>/maps text."""
+def parse_anon_ranges(maps: str) -> dict[int, tuple[int, bool]]:
+    """start -> (end, is the brk heap) of the private writable anonymous mappings in /proc/<pid>/maps text."""
     out = {}
     for line in maps.splitlines():
         f = line.split()
         if len(f) >= 5 and f[1].startswith("rw") and f[1].endswith("p") and (len(f) == 5 or f[5] == "[heap]"):
             start, end = (int(x, 16) for x in f[0].split("-"))
-            out[start] = end
+            out[start] = (end, len(f) > 5)
     return out
 
 
-def _anon_ranges() -> dict[int, int]:
+def _anon_ranges() -> dict[int, tuple[int, bool]]:
     if not sys.platform.startswith("linux"):
         return {}
     try:
@@ -294,13 +294,15 @@ def _anon_ranges() -> dict[int, int]:
         return {}
 
 
-def new_ranges(before: dict[int, int], after: dict[int, int], page: int) -> list[tuple[int, int]]:
-    """Page-aligned [start, end) spans of `after` that `before` lacked (a mapping grown in place, like
-    the brk heap, contributes its new tail), each at least one `page` long."""
+def new_ranges(before: dict[int, tuple[int, bool]], after: dict[int, tuple[int, bool]],
+               page: int) -> list[tuple[int, int]]:
+    """Page-aligned [start, end) spans, each at least one `page` long, where memory allocated between
+    `before` and `after` may lie: mappings `before` lacked (or their new tail, when grown in place) and
+    the whole brk heap -- malloc hands out memory freed there earlier (a closed session's) again."""
     spans = []
-    for start, end in sorted(after.items()):
-        lo = max(start, before.get(start, start))
-        lo, hi = -(-lo // page) * page, end // page * page       # round inwards to whole pages
+    for start, (end, heap) in sorted(after.items()):
+        lo = start if heap else max(start, before.get(start, (start, False))[0])
+        lo, hi = -(-lo // page) * page, end // page * page         # inwards to whole pages
         if hi - lo >= page:
             spans.append((lo, hi))
     return spans
