@@ -479,8 +479,9 @@ def save(result: dict, out: Path) -> None:
 def print_table(r: dict) -> None:
     print(f"\nONNX backend vs llama.cpp backend (same Q4_0 weights), {r['threads']} threads, "
           f"onnxruntime {r['onnxruntime']}, onnxruntime-genai {r['genai']}")
-    print(f"{'model':32} {'top-1 onnx~llama':>16} {'mean|dlogit|':>12} {'decode tok/s onnx':>18} "
-          f"{'llama.cpp':>10} {'genai':>8} {'onnx/llama':>10} {'onnx/genai':>10}")
+    if any("decode_tokens_per_s" in m for m in r["models"].values()):
+        print(f"{'model':32} {'top-1 onnx~llama':>16} {'mean|dlogit|':>12} {'decode tok/s onnx':>18} "
+              f"{'llama.cpp':>10} {'genai':>8} {'onnx/llama':>10} {'onnx/genai':>10}")
     for name, m in r["models"].items():
         p, nan = m["parity"], float("nan")
         for k, v in p.items():
