@@ -20,8 +20,8 @@ from .backends.base import Backend
 from .config import SamplingArgs
 from .errors import ContextOverflow, InvalidArgument
 from .spec.gamma import FixedGamma
-from .spec.sampling import probs
-from .spec.verify import verify
+from .spec.sampling import greedy_token, penalised, probs
+from .spec.verify import verify, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,7 @@ def generate(
     if isinstance(policy, FixedGamma) and policy.gamma == 0:
         drafter = None                          # plain decoding: the drafter is not even asked for a hint
     is_eog = is_eog or target.tokenizer.is_eog
+    penalise = penalised(sampling)
     releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
 
     t_start = time.perf_counter()
@@ -218,12 +219,19 @@ def generate(
             gamma = len(draft)
             t1 = time.perf_counter()
             logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
-            # p [gamma + 1, V]: target distribution at each verified position, same transforms as q
-            if gamma == 0:
-                p = probs(logits[0], sampling, committed)[None]                  # [1, V], no copy
+
+            def context_at(i: int) -> list[int]:          # what the repetition penalty sees at position i
+                return committed if i == 0 or not penalise else committed + draft[:i]
+
+            if sampling.greedy:
+                # greedy: the target's argmax at each verified position decides (verify()'s one-hot case)
+                n_acc, nxt = verify_greedy([greedy_token(logits[i], sampling, context_at(i))
+                                            for i in range(gamma + 1)], draft)
             else:
-                p = np.stack([probs(logits[i], sampling, committed + draft[:i]) for i in range(gamma + 1)])
-            n_acc, nxt = verify(p, q, draft, rng)
+                # p [gamma + 1, V]: target distribution at each verified position, same transforms as q
+                p = (probs(logits[0], sampling, committed)[None] if gamma == 0          # [1, V], no copy
+                     else np.stack([probs(logits[i], sampling, context_at(i)) for i in range(gamma + 1)]))
+                n_acc, nxt = verify(p, q, draft, rng)
             t2 = time.perf_counter()
             # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts
             target.truncate(len(committed) + n_acc)

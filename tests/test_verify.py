@@ -14,8 +14,8 @@ from scipy import stats
 
 from edgerun.config import SamplingArgs
 from edgerun.errors import InvalidArgument
-from edgerun.spec.sampling import probs, sample
-from edgerun.spec.verify import residual, verify
+from edgerun.spec.sampling import greedy_token, probs, sample
+from edgerun.spec.verify import residual, verify, verify_greedy
 
 P_PASS = 1e-3    # a correct sampler must not be rejected at this level (fixed seeds: deterministic)
 P_FAIL = 1e-6    # a wrong sampler must be rejected at least this clearly
@@ -61,6 +61,25 @@ def test_greedy_accepts_while_argmax_matches():
         for qq in (q, None):
             n, nxt = verify(p, qq, draft, rng)
             assert (n, nxt) == (expect_n, int(target[expect_n]))
+
+
+def test_greedy_fast_path_equals_verify_on_one_hot_rows():
+    """The decode loop's greedy branch (argmax per position, no probability vectors) decides exactly
+    as verify() does on the one-hot rows probs() builds for greedy sampling, repetition penalty on."""
+    rng = np.random.default_rng(0)
+    greedy = SamplingArgs(temperature=0.0, repeat_penalty=1.3, repeat_last_n=8)
+    for _ in range(300):
+        V, g = 12, int(rng.integers(0, 6))
+        logits = rng.normal(size=(g + 1, V)).astype(np.float32)
+        context = rng.integers(0, V, size=10).tolist()
+        tgt = [greedy_token(logits[i], greedy, context) for i in range(g + 1)]
+        # drafts that follow the target's argmax for a while, then (maybe) stray
+        k = int(rng.integers(0, g + 1))
+        draft = tgt[:k] + rng.integers(0, V, size=g - k).tolist()
+        p = np.stack([probs(logits[i], greedy, context) for i in range(g + 1)])
+        assert verify_greedy(tgt, draft) == verify(p, None, draft, np.random.default_rng(1))
+    with pytest.raises(InvalidArgument):
+        verify_greedy([1, 2], [1, 2])
 
 
 def test_point_mass_equals_explicit_one_hot_q():

@@ -26,14 +26,24 @@ def apply_repeat_penalty(logits: np.ndarray, context: Sequence[int], sampling: S
     return out
 
 
+def penalised(sampling: SamplingArgs) -> bool:
+    """Whether the repetition penalty reads the context (else any context gives the same result)."""
+    return sampling.repeat_penalty != 1.0 and sampling.repeat_last_n != 0
+
+
+def greedy_token(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = ()) -> int:
+    """The token greedy decoding picks: argmax after the repetition penalty (all of probs()' mass)."""
+    return int(np.argmax(apply_repeat_penalty(logits, context, sampling)))
+
+
 def probs(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = ()) -> np.ndarray:
     """One row of logits [V] -> probabilities [V] (float64, sums to 1). Greedy -> one-hot at argmax."""
-    x = apply_repeat_penalty(logits, context, sampling)
-    V = x.shape[-1]
+    V = logits.shape[-1]
     out = np.zeros(V, dtype=np.float64)
     if sampling.greedy:
-        out[int(np.argmax(x))] = 1.0
+        out[greedy_token(logits, sampling, context)] = 1.0
         return out
+    x = apply_repeat_penalty(logits, context, sampling)
     # candidates: indices kept after top-k (all when top_k is 0 or >= V)
     if 0 < sampling.top_k < V:
         idx = np.argpartition(x, V - sampling.top_k)[V - sampling.top_k:]

@@ -72,3 +72,16 @@ def verify(
             continue
         return i, sample(resample(p[i], None if q is None else q[i], x), rng)
     return g, sample(p[g], rng)
+
+
+def verify_greedy(targets: Sequence[int], draft: Sequence[int]) -> tuple[int, int]:
+    """Greedy verification: targets [g + 1] are the target's greedy tokens at the verified positions.
+    Keeps the drafts that equal them and continues with the target's token after the last kept one:
+    what verify() returns for one-hot p (whatever q), without building probability vectors."""
+    if len(targets) != len(draft) + 1:
+        raise InvalidArgument(f"verify_greedy: need {len(draft) + 1} target tokens for {len(draft)} drafts, "
+                              f"got {len(targets)}")
+    n = 0
+    while n < len(draft) and int(draft[n]) == int(targets[n]):
+        n += 1
+    return n, int(targets[n])
