@@ -11,8 +11,9 @@ The format fixes how a block is decoded, not how d (and m) are chosen. `pack(fmt
 params is round-to-nearest exactly as `gguf.quants` / llama.cpp's reference quantizer does it
 (d = signed max / -8 for Q4_0, (max - min) / 15 for Q4_1). `search_params(fmt, w, weight)` chooses
 each block's d (and m) to minimise an activation-weighted error sum_i,j e_i G_ij e_j per block,
-where G is a per-channel importance vector [in] (diagonal) or per-block Gram matrices
-[n_blocks, 32, 32] of the layer's input; `pack(fmt, w, params)` then stores exactly those values.
+where G is a per-channel importance vector [in] (diagonal), a per-element one [rows, in]
+(diagonal; `element_importance`) or per-block Gram matrices [n_blocks, 32, 32] of the layer's
+input; `pack(fmt, w, params)` then stores exactly those values.
 `fake_quant` returns what llama.cpp will compute from the stored blocks (fp16 rounding included).
 """
 
