@@ -14,7 +14,9 @@ Texts (perplexity at ctx 512, scored like llama-perplexity: second half of each 
 Calibration: 'builtin' (Python reference prose, the default) and 'stdlib-code'; 4096 tokens.
 Cross-domain: AWQ calibrated on code evaluated on prose (wiki), and calibrated on prose evaluated on code.
 Peer: llama-imatrix + llama-quantize (built from the llama-cpp-python sdist; --peer-bin) on the same
-F32 reference with the same calibration text, token embeddings and output as Q8_0 like ours.
+F32 reference with the same calibration text, token embeddings and output as Q8_0 like ours: both
+llama.cpp's file type as it ships (for Q4_0 with an imatrix, llama.cpp stores the first n_layer/8
+ffn_down tensors as Q4_1) and, for Q4_0, `--pure` (every linear Q4_0: exactly edgerun's tensor types).
 
 Writes bench/results/awq.json and prints a table.
 """
@@ -77,7 +79,13 @@ def quantize(src: Path, out: Path, method: str, fmt: str, calib: str) -> dict:
 
 
 def imatrix_quantize(bin_dir: Path, ref: Path, out: Path, fmt: str, calib_file: Path, work: Path,
-                     n_chunks: int) -> dict:
+                     n_chunks: int, pure: bool = False) -> dict:
+    """llama-imatrix on the calibration text, then llama-quantize with it.
+
+    pure: every linear in `fmt` (--pure), the same tensor types as edgerun writes; otherwise
+    llama.cpp's own mix for the file type (for Q4_0 with an imatrix it stores the first n_layer/8
+    ffn_down tensors as Q4_1).
+    """
     imat = work / f"{ref.stem}.imatrix.gguf"
     info = {}
     if not imat.exists():
@@ -86,6 +94,7 @@ def imatrix_quantize(bin_dir: Path, ref: Path, out: Path, fmt: str, calib_file: 
         info["imatrix"].pop("stdout")
     if not out.exists():
         info["quantize"] = run_child([str(bin_dir / "llama-quantize"), "--imatrix", str(imat),
+                                      *(["--pure"] if pure else []),
                                       "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0",
                                       str(ref), str(out), fmt.upper(), "2"])
         info["quantize"].pop("stdout")
@@ -139,12 +148,13 @@ def main() -> None:
                 info = quantize(ref, path, method, fmt, calib)
             m["variants"][key] = {"quant": info}
         if a.peer_bin:
-            for fmt in a.formats:
-                key = f"imatrix_{fmt}"
+            peers = [(f"imatrix_{fmt}", fmt, False) for fmt in a.formats]
+            peers += [(f"imatrix_pure_{fmt}", fmt, True) for fmt in a.formats if fmt == "q4_0"]
+            for key, fmt, pure in peers:
                 path = work / f"{name}.{key}.gguf"
-                print(f"[{name}] llama-imatrix + llama-quantize {fmt} ...", flush=True)
+                print(f"[{name}] llama-imatrix + llama-quantize {fmt}{' --pure' if pure else ''} ...", flush=True)
                 try:
-                    info = imatrix_quantize(Path(a.peer_bin), ref, path, fmt, calib_file, work, 8)
+                    info = imatrix_quantize(Path(a.peer_bin), ref, path, fmt, calib_file, work, 8, pure)
                     variants[key] = (path, info)
                     m["variants"][key] = {"quant": info}
                 except (RuntimeError, FileNotFoundError) as e:

@@ -188,3 +188,25 @@ def test_rescored_scale_search_is_never_worse_than_rtn_scored():
         assert res.params is not None and len(res.params) == 2
         assert res.loss <= e_plain * (1 + 1e-6)
         assert res.loss == pytest.approx(awq.output_error("q4_1", ws, st.x_search, res.s, refs, list(res.params)))
+
+
+def test_q4_1_block_search_weights_elements_by_default(tiny_model_factory):
+    """Q4_1's default block search uses the per-element importance (ELEMENT_IMPORTANCE), Q4_0's not:
+    the default run equals the explicit one, and the two weightings really store different blocks."""
+    from edgerun.quant.pipeline import ELEMENT_IMPORTANCE
+    assert ELEMENT_IMPORTANCE == {"q4_0": False, "q4_1": True}
+    p = tiny_model_factory(arch="llama", n_embd=128, n_ff=256, outlier_channels=4, seed=3)
+    src = GGUFSource(p)
+    tensors = {n: src.tensor(n) for n in src.tensor_names()}
+    x = tensors["token_embd.weight"][np.random.default_rng(0).integers(0, src.cfg.n_vocab, (2, 48))]
+    w = block_weights(tensors, 0)
+    for fmt, default in ELEMENT_IMPORTANCE.items():
+        runs = {e: awq_block(src.cfg, fmt, w, x.astype(np.float32), grid=4, n_search=64,
+                             rng=np.random.default_rng(1), element=e)[1] for e in (None, True, False)}
+        for k, pd in runs[None].items():
+            same = runs[default][k]
+            assert (pd is None) == (same is None)
+            if pd is not None:
+                np.testing.assert_array_equal(pd.d, same.d)
+        assert any(runs[True][k] is not None and runs[False][k] is not None
+                   and not np.array_equal(runs[True][k].d, runs[False][k].d) for k in runs[None])

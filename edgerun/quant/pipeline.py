@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]     # (message, done, total)
 RESCORE = 3          # AWQ scale candidates (best by round-to-nearest) rescored with searched block params
+# Per-format default of the block search's importance: False = E[x_j^2] per input channel (what AWQ
+# collects), True = also sqrt(sigma2 + w^2) per element (`formats.element_importance`). Measured with
+# bench/awq.py at 16 windows: on Qwen2.5-Coder-0.5B Q4_1 it lowered AWQ's perplexity from 39.35 to
+# 38.76 (wiki) and 4.878 to 4.859 (code); on SmolLM2-135M Q4_0 it was mixed (wiki 22.50 -> 22.69,
+# code 7.980 -> 7.927), so Q4_0 keeps the channel statistic alone.
+ELEMENT_IMPORTANCE = {"q4_0": False, "q4_1": True}
 FILE_TYPE = {"q4_0": 2, "q4_1": 3}               # llama.cpp LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
 
 
@@ -118,16 +124,22 @@ def _kv_tie(cfg: ModelConfig) -> np.ndarray:
 
 def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarray, grid: int,
               n_search: int, rng: np.random.Generator, layer: int = 0, rescore: int = RESCORE,
-              element: bool = False,
+              element: bool | None = None, scales: bool = True, scale_after_linear: bool = True,
               ) -> tuple[dict[str, np.ndarray], dict[str, F.BlockParams | None], np.ndarray, list[GroupReport]]:
     """AWQ on one block. w: block tensors ('attn_q.weight', ...) float32; x [B, T, d] block input.
 
     rescore: how many of the best (by round-to-nearest) scale candidates are scored again with
-    their searched block params; element: weight the block search by `formats.element_importance`.
+    their searched block params; element: weight the block search by `formats.element_importance`
+    (None: the format's default in ELEMENT_IMPORTANCE); scales=False skips AWQ's scale search (the
+    candidates are then the block search and round-to-nearest only), scale_after_linear=False skips
+    it for the groups whose 1/s would fold into a linear (o after v, down after up); both are
+    ablations (bench/awq_ablation.py).
 
     Returns (folded float weights, block params per linear (None = round-to-nearest), the float
     block output [B, T, d] (the next block's input), one report per scale group).
     """
+    if element is None:
+        element = ELEMENT_IMPORTANCE[fmt]
     rec: dict[str, np.ndarray] = {}
     x_out, _, _ = block_forward(cfg, w, x, 0, None, rec)
     w = {k: v.copy() for k, v in w.items()}
@@ -143,14 +155,16 @@ def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarra
         xs = st.x_search
         refs = [xs @ wi.T for wi in ws]
         tie = _kv_tie(cfg) if g.repeat_kv else None
-        sr = awq.search_scale(fmt, ws, st, grid, tie, rescore, element)
-        cands = [("rtn", None, [None] * len(ws), sr.loss_rtn)]
+        scaled = scales and (scale_after_linear or g.prev_kind == "norm")
+        sr = awq.search_scale(fmt, ws, st, grid, tie, rescore, element) if scaled else None
+        loss_rtn = sr.loss_rtn if sr is not None else awq.output_error(fmt, ws, xs, None, refs)
+        cands = [("rtn", None, [None] * len(ws), loss_rtn)]
         ones = np.ones(xs.shape[1], np.float32)
         pc = [awq.choose_block_params(fmt, wi, st, ones, element) for wi in ws]
         cands.append(("clip", None, pc, awq.output_error(fmt, ws, xs, None, refs, pc)))
-        if sr.params is not None:
+        if sr is not None and sr.params is not None:
             cands.append(("awq", sr, list(sr.params), sr.loss))
-        elif sr.alpha is not None:
+        elif sr is not None and sr.alpha is not None:
             pa = [awq.choose_block_params(fmt, wi * sr.s, st, sr.s, element) for wi in ws]
             cands.append(("awq", sr, pa, awq.output_error(fmt, ws, xs, sr.s, refs, pa)))
         choice, res, ps, loss = min(cands, key=lambda c: c[3])
@@ -163,7 +177,7 @@ def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarra
                 w[g.prev + ".weight"] = w[g.prev + ".weight"] / s
             else:
                 rowscale[g.prev] = res.s_tied
-        reports.append(GroupReport(layer, g.name, choice, None if res is None else res.alpha, sr.loss_rtn, loss))
+        reports.append(GroupReport(layer, g.name, choice, None if res is None else res.alpha, loss_rtn, loss))
     for l, sc in rowscale.items():                                           # prev linears' biases
         b = l + ".bias"
         if b in w:
@@ -197,12 +211,14 @@ def _vocab_gguf(src: HFSource, directory: Path) -> Path:
 
 def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs | None = None, *,
              progress: Progress | None = None, n_search: int = 512, seed: int = 0,
+             block_options: dict | None = None,
              pull: bool = True, **options) -> QuantReport:
     """Quantize a GGUF / HF checkpoint / registry model to an INT4 GGUF at `out`; return a report.
 
     `args` (or the same fields as keyword options: method="awq", format="q4_0", calib="builtin",
     calib_tokens=4096, embed_type="q8_0", grid=20) chooses what is done; n_search calibration
     tokens score the candidates; seed picks them (the result is deterministic for a seed).
+    block_options go to `awq_block` (element=, scales=: the ablations of bench/awq_ablation.py).
     """
     import tempfile
 
@@ -253,7 +269,7 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
                 KV("edgerun.source.sha256", src.sha256(), T.STRING),
                 KV("edgerun.source.name", src.name, T.STRING),
                 KV("edgerun.version", __version__, T.STRING)]
-        data = _tensor_data(src, cfg, args, seqs, n_search, seed, report, progress)
+        data = _tensor_data(src, cfg, args, seqs, n_search, seed, report, progress, block_options or {})
         write_gguf(out, cfg.arch, [*source_kv(src), *meta], plan, data, FILE_TYPE[args.format])
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -276,7 +292,7 @@ def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 
 
 def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, seed: int,
-                 report: QuantReport, progress: Progress | None):
+                 report: QuantReport, progress: Progress | None, block_options: dict):
     """Yield the stored arrays in plan order, running AWQ block by block."""
     rng = np.random.default_rng(seed)
     x = None
@@ -295,7 +311,7 @@ def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, se
         w = {m[len(prefix):]: _check_finite(m, src.tensor(m)) for m in bnames}
         params: dict = {}
         if args.method == "awq":
-            w, params, x, reps = awq_block(cfg, args.format, w, x, args.grid, n_search, rng, i)
+            w, params, x, reps = awq_block(cfg, args.format, w, x, args.grid, n_search, rng, i, **block_options)
             report.groups.extend(reps)
             r = sum(g.loss_rtn for g in reps)
             red = 0.0 if r == 0 else 1 - sum(g.loss for g in reps) / r
