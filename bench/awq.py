@@ -54,6 +54,11 @@ def float_reference(src_path: Path, out: Path) -> Path:
     return out
 
 
+def eval_texts(wiki: str) -> dict[str, str]:
+    """The two evaluation texts: the Wikipedia sample at `wiki`, and the held-out stdlib code slice."""
+    return {"wiki": Path(wiki).read_text(), "code": stdlib_code_text(6_400_000)[6_000_000:]}
+
+
 def run_child(cmd: list[str]) -> dict:
     """Run a command; return wall seconds, CPU seconds and peak RSS (MB) of that child."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -116,7 +121,7 @@ def main() -> None:
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    texts = {"wiki": Path(a.wiki).read_text(), "code": stdlib_code_text(6_400_000)[6_000_000:]}
+    texts = eval_texts(a.wiki)
     calib_file = work / "calib_pydoc.txt"
     calib_file.write_text(pydoc_text())
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),

@@ -24,9 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from awq import float_reference, run_child  # noqa: E402
+from awq import eval_texts, float_reference, run_child  # noqa: E402
 
-from edgerun.calib import stdlib_code_text  # noqa: E402
 from edgerun.perplexity import perplexity  # noqa: E402
 from edgerun.quant.pipeline import ELEMENT_IMPORTANCE  # noqa: E402
 from edgerun.registry import resolve_model  # noqa: E402
@@ -65,7 +64,7 @@ def main() -> None:
     for e in a.extra:
         k, _, js = e.partition("=")
         variants[f"{k}_{fmt}"] = json.loads(js)
-    texts = {"wiki": Path(a.wiki).read_text(), "code": stdlib_code_text(6_400_000)[6_000_000:]}
+    texts = eval_texts(a.wiki)
     res = {"model": name, "format": fmt, "windows": a.windows, "default_importance": default, "variants": {}}
     out = Path(a.out or ROOT / "bench" / "results" / f"awq-ablation-{name}-{fmt}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
