@@ -210,3 +210,20 @@ def test_q4_1_block_search_weights_elements_by_default(tiny_model_factory):
                 np.testing.assert_array_equal(pd.d, same.d)
         assert any(runs[True][k] is not None and runs[False][k] is not None
                    and not np.array_equal(runs[True][k].d, runs[False][k].d) for k in runs[None])
+
+
+def test_ablation_switches_limit_where_scales_are_searched(tiny_model_factory):
+    """scales=False: no group is stored with AWQ scales; scale_after_linear=False: only the groups
+    after a norm (q/k/v, gate/up) may be, never o or down (whose 1/s would fold into v or up)."""
+    p = tiny_model_factory(arch="llama", n_embd=128, n_ff=256, outlier_channels=4, seed=1)
+    src = GGUFSource(p)
+    tensors = {n: src.tensor(n) for n in src.tensor_names()}
+    x = tensors["token_embd.weight"][np.random.default_rng(0).integers(0, src.cfg.n_vocab, (2, 64))]
+    w = block_weights(tensors, 0)
+    run = lambda **o: awq_block(src.cfg, "q4_0", w, x.astype(np.float32), grid=10, n_search=128,  # noqa: E731
+                                rng=np.random.default_rng(1), **o)[3]
+    assert any(r.choice == "awq" for r in run())
+    assert all(r.choice != "awq" for r in run(scales=False))
+    norm_only = run(scale_after_linear=False)
+    assert all(r.choice != "awq" for r in norm_only if r.group in ("attn_out", "ffn_out"))
+    assert all(r.loss <= r.loss_rtn for r in norm_only)
