@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgerun.calib import pydoc_text, stdlib_code_text  # noqa: E402
 from edgerun.gguf_io import GGUFSource, TensorPlan, source_kv, write_gguf  # noqa: E402
-from edgerun.perplexity import perplexity  # noqa: E402
+from edgerun.perplexity import paired_ratio, perplexity  # noqa: E402
 from edgerun.registry import resolve_model  # noqa: E402
 
 
@@ -106,6 +106,19 @@ def imatrix_quantize(bin_dir: Path, ref: Path, out: Path, fmt: str, calib_file: 
     return info
 
 
+def paired_table(v: dict, formats: list[str], texts) -> list[dict]:
+    """AWQ against RTN and each imatrix peer, per format and text: paired PPL ratios with 95% intervals."""
+    rows = []
+    for fmt in formats:
+        for b in (f"rtn_{fmt}", f"imatrix_{fmt}", f"imatrix_pure_{fmt}"):
+            for t in texts:
+                va, vb = v.get(f"awq_{fmt}", {}), v.get(b, {})
+                if f"window_nll_{t}" in va and f"window_nll_{t}" in vb:
+                    r, lo, hi = paired_ratio({"window_nll": va[f"window_nll_{t}"]}, {"window_nll": vb[f"window_nll_{t}"]})
+                    rows.append({"a": f"awq_{fmt}", "b": b, "text": t, "ratio": r, "lo": lo, "hi": hi})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
@@ -170,6 +183,7 @@ def main() -> None:
                 r = perplexity(path, text, ctx=512, n_threads=a.threads, max_windows=a.windows, text_name=tname)
                 m["variants"][key][f"ppl_{tname}"] = r.ppl
                 m["variants"][key][f"nll_se_{tname}"] = r.nll_stderr
+                m["variants"][key][f"window_nll_{tname}"] = list(r.window_nll)
             json.dump(results, open(out_path, "w"), indent=1)
         # derived: share of RTN's perplexity increase removed by AWQ, and what cross-domain calibration keeps
         v = m["variants"]
@@ -184,6 +198,7 @@ def main() -> None:
                 g_x = (r_ - v[cross][f"ppl_{t}"]) / (r_ - f)
                 m[f"cross_{fmt}_{t}"] = {"gain_in_domain": g_in, "gain_cross_domain": g_x,
                                          "gain_lost_fraction": (g_in - g_x) / g_in if g_in else None}
+        m["paired"] = paired_table(v, a.formats, texts)
         json.dump(results, open(out_path, "w"), indent=1)
     results["machine"]["load_avg_end"] = os.getloadavg()
     json.dump(results, open(out_path, "w"), indent=1)
@@ -204,6 +219,10 @@ def main() -> None:
         for k, val in m.items():
             if k.startswith("awq_gain"):
                 print(f"  {k}: {val:.1%}" if val is not None else f"  {k}: -")
+            elif k == "paired":
+                for row in val:
+                    print(f"  {row['a']} / {row['b']} on {row['text']}: PPL x{row['ratio']:.4f} "
+                          f"(95% {row['lo']:.4f} .. {row['hi']:.4f}, paired over windows)")
             elif k.startswith("cross_"):
                 print(f"  {k}: in-domain gain {val['gain_in_domain']:.1%}, cross-domain {val['gain_cross_domain']:.1%}, "
                       f"lost {val['gain_lost_fraction']:.1%}" if val["gain_lost_fraction"] is not None else f"  {k}: -")

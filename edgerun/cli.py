@@ -530,21 +530,38 @@ def eval_group() -> None:
 @click.option("--threads", "n_threads", type=int, default=None, help="CPU threads.")
 @click.option("--max-windows", type=int, default=None, help="Score only the first N windows.")
 @click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
+@click.option("--vs", "other", default=None, metavar="MODEL2",
+              help="Also score MODEL2 on the same windows and print PPL(MODEL) / PPL(MODEL2) with a paired "
+                   "95% interval (e.g. an AWQ file against the RTN one).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, as_json):
+def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, other, as_json):
     """Perplexity of MODEL on a text, scored like llama.cpp's llama-perplexity (second half of each window)."""
     from .calib import load_text
-    from .perplexity import perplexity
+    from .perplexity import paired_ratio, perplexity
     from .registry import resolve_model
 
     name, text = load_text(text_spec)
-    path = resolve_model(model, pull=not no_pull)
-    res = perplexity(path, text, ctx=ctx, n_threads=n_threads, max_windows=max_windows, text_name=name)
+    paths = [resolve_model(m, pull=not no_pull) for m in ([model] if other is None else [model, other])]
+    res = [perplexity(p, text, ctx=ctx, n_threads=n_threads, max_windows=max_windows, text_name=name)
+           for p in paths]
+    pair = paired_ratio(res[0], res[1]) if len(res) == 2 and res[0].n_windows > 1 else None
     if as_json:
-        click.echo(json.dumps(res.to_dict(), indent=1))
+        if other is None:
+            click.echo(json.dumps(res[0].to_dict(), indent=1))
+        else:
+            click.echo(json.dumps({"model": res[0].to_dict(), "vs": res[1].to_dict(),
+                                   "ratio": None if pair is None else dict(zip(("ppl_ratio", "lo95", "hi95"), pair))},
+                                  indent=1))
         return
-    click.echo(f"{res.model} on {res.text}: PPL {res.ppl:.4f} (nll {res.nll:.4f} +/- {res.nll_stderr:.4f}; "
-               f"{res.n_windows} windows x ctx {res.ctx}, {res.n_scored} tokens scored; {res.seconds:.1f} s)")
+    for r in res:
+        click.echo(f"{r.model} on {r.text}: PPL {r.ppl:.4f} (nll {r.nll:.4f} +/- {r.nll_stderr:.4f}; "
+                   f"{r.n_windows} windows x ctx {r.ctx}, {r.n_scored} tokens scored; {r.seconds:.1f} s)")
+    if other is not None:
+        if pair is None:
+            click.echo("paired ratio: needs at least 2 windows")
+        else:
+            click.echo(f"PPL {res[0].model} / {res[1].model} = {pair[0]:.4f} (95% {pair[1]:.4f} .. {pair[2]:.4f}, "
+                       f"paired over {res[0].n_windows} windows)")
 
 
 # ---- ONNX export: `edgerun export onnx` (edgerun/onnx_export.py) ---------------------------------

@@ -41,9 +41,37 @@ class PerplexityResult:
     n_text_tokens: int
     seconds: float
     method: str = METHOD
+    window_nll: tuple[float, ...] = ()   # mean NLL of each window's scored tokens (for paired comparisons)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def paired_ratio(a: PerplexityResult | dict, b: PerplexityResult | dict) -> tuple[float, float, float]:
+    """PPL(a) / PPL(b) with a ~95% interval, from the two models' NLLs on the same windows.
+
+    Both must have scored the same text with the same ctx and windows. The interval is
+    exp(mean(d) +- t * se(d)) over the per-window NLL differences d (the windows, not the tokens,
+    are taken as independent: tokens of one window share their context), t from Student's t with
+    n_windows - 1 degrees of freedom. Paired, it resolves differences far below each model's own
+    standard error, because both models meet the same hard and easy tokens.
+    """
+    wa = np.asarray(a["window_nll"] if isinstance(a, dict) else a.window_nll, dtype=np.float64)
+    wb = np.asarray(b["window_nll"] if isinstance(b, dict) else b.window_nll, dtype=np.float64)
+    if wa.shape != wb.shape or wa.size < 2:
+        raise InvalidArgument(f"paired comparison needs the same windows (>= 2) in both results, got "
+                              f"{wa.size} and {wb.size}")
+    d = wa - wb
+    se = float(d.std(ddof=1) / math.sqrt(d.size))
+    t = _T975.get(d.size - 1, 1.96) if d.size - 1 <= 30 else 1.96
+    m = float(d.mean())
+    return math.exp(m), math.exp(m - t * se), math.exp(m + t * se)
+
+
+# Student's t 97.5% quantiles for 1..30 degrees of freedom (two-sided 95% intervals).
+_T975 = dict(enumerate((12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+                        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+                        2.060, 2.056, 2.052, 2.048, 2.045, 2.042), start=1))
 
 
 def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -92,6 +120,7 @@ def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int |
         se = float(all_nll.std(ddof=1) / math.sqrt(len(all_nll))) if len(all_nll) > 1 else 0.0
         return PerplexityResult(model=Path(model).name, text=text_name, ctx=ctx, ppl=math.exp(mean), nll=mean,
                                 nll_stderr=se, n_windows=n_windows, n_scored=int(all_nll.size),
-                                n_text_tokens=len(tokens), seconds=time.perf_counter() - t0)
+                                n_text_tokens=len(tokens), seconds=time.perf_counter() - t0,
+                                window_nll=tuple(float(v.mean()) for v in nll))
     finally:
         be.close()

@@ -108,11 +108,52 @@ def test_eval_ppl_matches_reference(src, tmp_path):
         lse = np.logaddexp.reduce(lg, axis=1)
         nll.extend(lse - lg[np.arange(63), win[65:]])
     assert math.isclose(res["ppl"], math.exp(np.mean(nll)), rel_tol=5e-3)
+    per_window = np.asarray(nll).reshape(n_win, 63).mean(axis=1)
+    np.testing.assert_allclose(res["window_nll"], per_window, rtol=5e-3, atol=5e-3)
     r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128")
     assert r.exit_code == 0 and "PPL" in r.stdout
+
+
+def test_paired_ratio():
+    """Paired PPL ratio over windows: exact for a constant shift, an interval that covers a noisy one,
+    and a clear error when the two results did not score the same windows."""
+    from edgerun.errors import InvalidArgument
+    from edgerun.perplexity import paired_ratio
+    rng = np.random.default_rng(0)
+    base = rng.uniform(2.0, 4.0, 16)                     # windows differ a lot in difficulty
+    r, lo, hi = paired_ratio({"window_nll": base + 0.01}, {"window_nll": base})
+    assert math.isclose(r, math.exp(0.01), rel_tol=1e-12) and math.isclose(lo, r) and math.isclose(hi, r)
+    covered = 0
+    for _ in range(200):                                 # ~95% of intervals cover the true ratio
+        a = base + 0.01 + rng.normal(0, 0.02, 16)
+        _, lo, hi = paired_ratio({"window_nll": a}, {"window_nll": base})
+        covered += lo <= math.exp(0.01) <= hi
+    assert 180 <= covered <= 200
+    with pytest.raises(InvalidArgument, match="same windows"):
+        paired_ratio({"window_nll": base}, {"window_nll": base[:8]})
 
 
 def test_eval_ppl_text_shorter_than_window(src, tmp_path):
     (tmp_path / "t.txt").write_text("tiny")
     r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128")
     assert r.exit_code == 2 and r.stderr.startswith("error: ")
+
+
+def test_eval_ppl_vs(src, tmp_path):
+    """--vs scores a second model on the same windows and reports the paired PPL ratio."""
+    from edgerun.calib import pydoc_text
+    (tmp_path / "t.txt").write_text(pydoc_text()[:6000])
+    q = tmp_path / "rtn.gguf"
+    assert run("quantize", src, q, "--method", "rtn").exit_code == 0
+    r = run("eval", "ppl", q, "--text", tmp_path / "t.txt", "--ctx", "128", "--vs", src, "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    a, b, ratio = res["model"], res["vs"], res["ratio"]
+    assert a["n_windows"] == b["n_windows"] >= 2
+    assert math.isclose(ratio["ppl_ratio"], a["ppl"] / b["ppl"], rel_tol=1e-9)
+    assert ratio["lo95"] <= ratio["ppl_ratio"] <= ratio["hi95"]
+    assert a["ppl"] != b["ppl"]                           # the quantized model really differs
+    r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128", "--vs", src)
+    assert r.exit_code == 0 and "= 1.0000 (95% 1.0000 .. 1.0000, paired over" in r.stdout, r.output
+    r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128", "--vs", tmp_path / "missing.gguf")
+    assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output
