@@ -8,8 +8,10 @@ so run bench/awq.py first for the reference, RTN and default AWQ files; existing
   awq_<fmt>_channel / awq_<fmt>_element  AWQ with the block search weighted by E[x^2] per input channel,
                                           or also by sqrt(sigma2 + w^2) per element (one is the default:
                                           pipeline.ELEMENT_IMPORTANCE; only the other is quantized here)
+  awq_<fmt>_all                           AWQ scales also for o and down (1/s folded into v and up rows:
+                                          the AWQ paper's groups; off by default, see pipeline.awq_block)
   search_<fmt>_channel / _element         no AWQ scale search: per-block d/m search vs round-to-nearest
-  --extra NAME='{"scale_after_linear": false}'  more variants: awq_block options as JSON (repeatable)
+  --extra NAME='{"rescore": 1}'           more variants: awq_block options as JSON (repeatable)
 Perplexity is scored exactly as in bench/awq.py (ctx 512, second half of each window). Writes JSON.
 """
 
@@ -26,7 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from awq import eval_texts, float_reference, run_child  # noqa: E402
 
-from edgerun.perplexity import perplexity  # noqa: E402
+from edgerun.perplexity import paired_ratio, perplexity  # noqa: E402
 from edgerun.quant.pipeline import ELEMENT_IMPORTANCE  # noqa: E402
 from edgerun.registry import resolve_model  # noqa: E402
 
@@ -50,7 +52,7 @@ def main() -> None:
                     help="bench/awq.py's JSON for the same --work and --windows: its float/RTN/AWQ perplexities "
                          "are reused instead of scored again (same files, same tokens)")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
-                    help="another variant: awq_block options as JSON, e.g. awq_norm_scales='{\"scale_after_linear\": false}'")
+                    help="another variant: awq_block options as JSON, e.g. rescore1='{\"rescore\": 1}'")
     a = ap.parse_args()
     work, fmt, name = Path(a.work), a.format, a.model
     work.mkdir(parents=True, exist_ok=True)
@@ -59,6 +61,7 @@ def main() -> None:
     other = "channel" if default == "element" else "element"
     variants = {f"rtn_{fmt}": None, f"awq_{fmt}": None,
                 f"awq_{fmt}_{other}": {"element": other == "element"},
+                f"awq_{fmt}_all": {"scale_after_linear": True},
                 f"search_{fmt}_channel": {"scales": False, "element": False},
                 f"search_{fmt}_element": {"scales": False, "element": True}}
     for e in a.extra:
@@ -78,7 +81,8 @@ def main() -> None:
         path = ref if key == "float" else work / f"{name}.{key}.gguf"
         v = res["variants"][key] = {"block_options": opts}
         if opts is None and all(f"ppl_{t}" in prior.get(key, {}) for t in texts):
-            v.update({f"ppl_{t}": prior[key][f"ppl_{t}"] for t in texts}, from_bench=a.from_bench)
+            v.update({k: prior[key][k] for t in texts for k in (f"ppl_{t}", f"window_nll_{t}") if k in prior[key]},
+                     from_bench=a.from_bench)
             continue
         if not path.exists():
             if opts is None:
@@ -88,14 +92,24 @@ def main() -> None:
             v.update(json.loads(r.pop("stdout")), **r)
         for t, text in texts.items():
             print(f"[{name}] ppl {key} on {t} ...", flush=True)
-            v[f"ppl_{t}"] = perplexity(path, text, ctx=512, n_threads=a.threads, max_windows=a.windows).ppl
+            r = perplexity(path, text, ctx=512, n_threads=a.threads, max_windows=a.windows)
+            v[f"ppl_{t}"], v[f"window_nll_{t}"] = r.ppl, list(r.window_nll)
         json.dump(res, open(out, "w"), indent=1)
     f, r_ = res["variants"]["float"], res["variants"][f"rtn_{fmt}"]
     print(f"\n{name} {fmt}, perplexity at ctx 512, {a.windows} windows; gain = share of RTN's increase removed")
-    print(f"{'variant':24s} {'wiki':>8s} {'code':>8s} {'gain wiki':>10s} {'gain code':>10s}")
+    print(f"{'variant':24s} {'wiki':>8s} {'code':>8s} {'gain wiki':>10s} {'gain code':>10s}   "
+          f"PPL / default AWQ's, paired 95% (wiki; code)")
+    base = res["variants"][f"awq_{fmt}"]
     for key, v in res["variants"].items():
         g = [(r_[f"ppl_{t}"] - v[f"ppl_{t}"]) / (r_[f"ppl_{t}"] - f[f"ppl_{t}"]) for t in texts]
-        print(f"{key:24s} {v['ppl_wiki']:8.3f} {v['ppl_code']:8.3f} {g[0]:10.1%} {g[1]:10.1%}")
+        pair = []
+        for t in texts:
+            if key != f"awq_{fmt}" and f"window_nll_{t}" in v and f"window_nll_{t}" in base:
+                r, lo, hi = paired_ratio({"window_nll": v[f"window_nll_{t}"]}, {"window_nll": base[f"window_nll_{t}"]})
+                v[f"vs_awq_{t}"] = [r, lo, hi]
+                pair.append(f"{r:.3f} [{lo:.3f}, {hi:.3f}]")
+        print(f"{key:24s} {v['ppl_wiki']:8.3f} {v['ppl_code']:8.3f} {g[0]:10.1%} {g[1]:10.1%}   {'; '.join(pair)}")
+    json.dump(res, open(out, "w"), indent=1)
     print(f"\nwrote {out}")
 
 

@@ -30,8 +30,9 @@ def awq_q4_0(src_model, tmp_path_factory):
     return out, rep
 
 
+@pytest.mark.parametrize("after_linear", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_scale_folding_keeps_float_model(tiny_model_factory, arch):
+def test_scale_folding_keeps_float_model(tiny_model_factory, arch, after_linear):
     p = tiny_model_factory(arch=arch, n_embd=128, n_ff=256, outlier_channels=4, seed=1)
     src = GGUFSource(p)
     cfg = src.cfg
@@ -39,8 +40,11 @@ def test_scale_folding_keeps_float_model(tiny_model_factory, arch):
     rng = np.random.default_rng(0)
     x = tensors["token_embd.weight"][rng.integers(0, cfg.n_vocab, (2, 64))].astype(np.float64)
     w = {k: v.astype(np.float64) for k, v in block_weights(tensors, 0).items()}
-    folded, params, x_out, reps = awq_block(cfg, "q4_0", w, x, grid=10, n_search=128, rng=rng)
+    folded, params, x_out, reps = awq_block(cfg, "q4_0", w, x, grid=10, n_search=128, rng=rng,
+                                            scale_after_linear=after_linear)
     assert any(r.choice == "awq" for r in reps)            # scales were really folded somewhere
+    if after_linear:                                       # ... and into a linear's rows (v or up)
+        assert any(r.choice == "awq" for r in reps if r.group in ("attn_out", "ffn_out"))
     assert any(not np.allclose(folded[k], w[k]) for k in w)
     y_folded, _, _ = block_forward(cfg, folded, x)
     np.testing.assert_allclose(y_folded, x_out, rtol=1e-9, atol=1e-9)
@@ -213,8 +217,9 @@ def test_q4_1_block_search_weights_elements_by_default(tiny_model_factory):
 
 
 def test_ablation_switches_limit_where_scales_are_searched(tiny_model_factory):
-    """scales=False: no group is stored with AWQ scales; scale_after_linear=False: only the groups
-    after a norm (q/k/v, gate/up) may be, never o or down (whose 1/s would fold into v or up)."""
+    """scales=False: no group is stored with AWQ scales; by default (scale_after_linear=False) only
+    the groups after a norm (q/k/v, gate/up) may be, never o or down (whose 1/s would fold into v or
+    up); scale_after_linear=True searches those too."""
     p = tiny_model_factory(arch="llama", n_embd=128, n_ff=256, outlier_channels=4, seed=1)
     src = GGUFSource(p)
     tensors = {n: src.tensor(n) for n in src.tensor_names()}
@@ -222,8 +227,9 @@ def test_ablation_switches_limit_where_scales_are_searched(tiny_model_factory):
     w = block_weights(tensors, 0)
     run = lambda **o: awq_block(src.cfg, "q4_0", w, x.astype(np.float32), grid=10, n_search=128,  # noqa: E731
                                 rng=np.random.default_rng(1), **o)[3]
-    assert any(r.choice == "awq" for r in run())
     assert all(r.choice != "awq" for r in run(scales=False))
-    norm_only = run(scale_after_linear=False)
+    norm_only = run()
+    assert any(r.choice == "awq" for r in norm_only)
     assert all(r.choice != "awq" for r in norm_only if r.group in ("attn_out", "ffn_out"))
     assert all(r.loss <= r.loss_rtn for r in norm_only)
+    assert any(r.choice == "awq" for r in run(scale_after_linear=True) if r.group in ("attn_out", "ffn_out"))

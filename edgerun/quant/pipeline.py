@@ -5,8 +5,9 @@ activations of one block are held at once, and each block's packed tensors are w
 output file as soon as they are ready. The file appears only when complete (gguf_io.write_gguf).
 
 Per block, for each scale group (in reverse order, so that a group whose 1/s is folded into a
-linear of an earlier group is decided before that linear is quantized) three candidates are
-scored by the group's output error on calibration tokens, and the best is kept:
+linear of an earlier group is decided before that linear is quantized; by default only the groups
+after a norm, q/k/v and gate/up, search scales, see `awq_block`) three candidates are scored by
+the group's output error on calibration tokens, and the best is kept:
   awq   AWQ scale s (grid search scored with round-to-nearest; the RESCORE best scored again with
         their per-block d/m search) + per-block d/m search on the scaled weights,
   clip  s = 1 + per-block d/m search,
@@ -124,16 +125,21 @@ def _kv_tie(cfg: ModelConfig) -> np.ndarray:
 
 def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarray, grid: int,
               n_search: int, rng: np.random.Generator, layer: int = 0, rescore: int = RESCORE,
-              element: bool | None = None, scales: bool = True, scale_after_linear: bool = True,
+              element: bool | None = None, scales: bool = True, scale_after_linear: bool = False,
               ) -> tuple[dict[str, np.ndarray], dict[str, F.BlockParams | None], np.ndarray, list[GroupReport]]:
     """AWQ on one block. w: block tensors ('attn_q.weight', ...) float32; x [B, T, d] block input.
 
     rescore: how many of the best (by round-to-nearest) scale candidates are scored again with
     their searched block params; element: weight the block search by `formats.element_importance`
     (None: the format's default in ELEMENT_IMPORTANCE); scales=False skips AWQ's scale search (the
-    candidates are then the block search and round-to-nearest only), scale_after_linear=False skips
-    it for the groups whose 1/s would fold into a linear (o after v, down after up); both are
-    ablations (bench/awq_ablation.py).
+    candidates are then the block search and round-to-nearest only; an ablation); scale_after_linear
+    also searches scales for the groups whose 1/s folds into a linear (o after v, down after up), as
+    the AWQ paper does. It is off by default: measured with bench/awq_ablation.py (16 windows, paired
+    95% intervals), turning those scales off lowered SmolLM2-135M Q4_0's perplexity by 2.4% / 1.5%
+    (wiki / code) and raised Qwen2.5-Coder-0.5B Q4_0's by 2.6% on wiki (level on code); Qwen Q4_1
+    was level (38.76 / 4.859 with, 38.87 / 4.851 without). Not a reliable gain, then; skipping
+    them also shortens 0.5B's quantization (Q4_0: 576 s against 802 s, each measured alone on the
+    2-core machine; down's n_ff input channels are the largest search).
 
     Returns (folded float weights, block params per linear (None = round-to-nearest), the float
     block output [B, T, d] (the next block's input), one report per scale group).
