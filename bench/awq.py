@@ -114,7 +114,7 @@ def paired_table(v: dict, formats: list[str], texts) -> list[dict]:
             for t in texts:
                 va, vb = v.get(f"awq_{fmt}", {}), v.get(b, {})
                 if f"window_nll_{t}" in va and f"window_nll_{t}" in vb:
-                    r, lo, hi = paired_ratio({"window_nll": va[f"window_nll_{t}"]}, {"window_nll": vb[f"window_nll_{t}"]})
+                    r, lo, hi = paired_ratio(va[f"window_nll_{t}"], vb[f"window_nll_{t}"])
                     rows.append({"a": f"awq_{fmt}", "b": b, "text": t, "ratio": r, "lo": lo, "hi": hi})
     return rows
 

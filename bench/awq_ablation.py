@@ -105,7 +105,7 @@ def main() -> None:
         pair = []
         for t in texts:
             if key != f"awq_{fmt}" and f"window_nll_{t}" in v and f"window_nll_{t}" in base:
-                r, lo, hi = paired_ratio({"window_nll": v[f"window_nll_{t}"]}, {"window_nll": base[f"window_nll_{t}"]})
+                r, lo, hi = paired_ratio(v[f"window_nll_{t}"], base[f"window_nll_{t}"])
                 v[f"vs_awq_{t}"] = [r, lo, hi]
                 pair.append(f"{r:.3f} [{lo:.3f}, {hi:.3f}]")
         print(f"{key:24s} {v['ppl_wiki']:8.3f} {v['ppl_code']:8.3f} {g[0]:10.1%} {g[1]:10.1%}   {'; '.join(pair)}")

@@ -544,7 +544,7 @@ def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, other, as_j
     paths = [resolve_model(m, pull=not no_pull) for m in ([model] if other is None else [model, other])]
     res = [perplexity(p, text, ctx=ctx, n_threads=n_threads, max_windows=max_windows, text_name=name)
            for p in paths]
-    pair = paired_ratio(res[0], res[1]) if len(res) == 2 and res[0].n_windows > 1 else None
+    pair = paired_ratio(res[0].window_nll, res[1].window_nll) if len(res) == 2 and res[0].n_windows > 1 else None
     if as_json:
         if other is None:
             click.echo(json.dumps(res[0].to_dict(), indent=1))

@@ -16,7 +16,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -47,8 +47,8 @@ class PerplexityResult:
         return asdict(self)
 
 
-def paired_ratio(a: PerplexityResult | dict, b: PerplexityResult | dict) -> tuple[float, float, float]:
-    """PPL(a) / PPL(b) with a ~95% interval, from the two models' NLLs on the same windows.
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """PPL(a) / PPL(b) with a ~95% interval, from two models' `window_nll` on the same windows.
 
     Both must have scored the same text with the same ctx and windows. The interval is
     exp(mean(d) +- t * se(d)) over the per-window NLL differences d (the windows, not the tokens,
@@ -56,8 +56,7 @@ def paired_ratio(a: PerplexityResult | dict, b: PerplexityResult | dict) -> tupl
     n_windows - 1 degrees of freedom. Paired, it resolves differences far below each model's own
     standard error, because both models meet the same hard and easy tokens.
     """
-    wa = np.asarray(a["window_nll"] if isinstance(a, dict) else a.window_nll, dtype=np.float64)
-    wb = np.asarray(b["window_nll"] if isinstance(b, dict) else b.window_nll, dtype=np.float64)
+    wa, wb = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if wa.shape != wb.shape or wa.size < 2:
         raise InvalidArgument(f"paired comparison needs the same windows (>= 2) in both results, got "
                               f"{wa.size} and {wb.size}")

@@ -121,16 +121,16 @@ def test_paired_ratio():
     from edgerun.perplexity import paired_ratio
     rng = np.random.default_rng(0)
     base = rng.uniform(2.0, 4.0, 16)                     # windows differ a lot in difficulty
-    r, lo, hi = paired_ratio({"window_nll": base + 0.01}, {"window_nll": base})
+    r, lo, hi = paired_ratio(base + 0.01, base)
     assert math.isclose(r, math.exp(0.01), rel_tol=1e-12) and math.isclose(lo, r) and math.isclose(hi, r)
     covered = 0
     for _ in range(200):                                 # ~95% of intervals cover the true ratio
         a = base + 0.01 + rng.normal(0, 0.02, 16)
-        _, lo, hi = paired_ratio({"window_nll": a}, {"window_nll": base})
+        _, lo, hi = paired_ratio(a, base)
         covered += lo <= math.exp(0.01) <= hi
     assert 180 <= covered <= 200
     with pytest.raises(InvalidArgument, match="same windows"):
-        paired_ratio({"window_nll": base}, {"window_nll": base[:8]})
+        paired_ratio(base, base[:8])
 
 
 def test_eval_ppl_text_shorter_than_window(src, tmp_path):

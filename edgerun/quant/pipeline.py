@@ -43,9 +43,10 @@ Progress = Callable[[str, int, int], None]     # (message, done, total)
 RESCORE = 3          # AWQ scale candidates (best by round-to-nearest) rescored with searched block params
 # Per-format default of the block search's importance: False = E[x_j^2] per input channel (what AWQ
 # collects), True = also sqrt(sigma2 + w^2) per element (`formats.element_importance`). Measured with
-# bench/awq.py at 16 windows: on Qwen2.5-Coder-0.5B Q4_1 it lowered AWQ's perplexity from 39.35 to
-# 38.76 (wiki) and 4.878 to 4.859 (code); on SmolLM2-135M Q4_0 it was mixed (wiki 22.50 -> 22.69,
-# code 7.980 -> 7.927), so Q4_0 keeps the channel statistic alone.
+# bench/awq_ablation.py at 16 windows: on Qwen2.5-Coder-0.5B Q4_1 it lowered AWQ's perplexity from
+# 39.35 to 38.76 (wiki) and 4.878 to 4.859 (code) (measured with the earlier all-group scaling); on
+# SmolLM2-135M Q4_0 it is level (21.966 / 7.857 -> 22.113 / 7.827, paired intervals containing 1),
+# so Q4_0 keeps the channel statistic alone.
 ELEMENT_IMPORTANCE = {"q4_0": False, "q4_1": True}
 FILE_TYPE = {"q4_0": 2, "q4_1": 3}               # llama.cpp LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
 
@@ -224,7 +225,8 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
     `args` (or the same fields as keyword options: method="awq", format="q4_0", calib="builtin",
     calib_tokens=4096, embed_type="q8_0", grid=20) chooses what is done; n_search calibration
     tokens score the candidates; seed picks them (the result is deterministic for a seed).
-    block_options go to `awq_block` (element=, scales=: the ablations of bench/awq_ablation.py).
+    block_options go to `awq_block` (element=, scales=, scale_after_linear=: the ablations of
+    bench/awq_ablation.py).
     """
     import tempfile
 
