@@ -537,14 +537,14 @@ def eval_group() -> None:
 def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, other, as_json):
     """Perplexity of MODEL on a text, scored like llama.cpp's llama-perplexity (second half of each window)."""
     from .calib import load_text
-    from .perplexity import paired_ratio, perplexity
+    from .perplexity import compare, perplexity
     from .registry import resolve_model
 
     name, text = load_text(text_spec)
     paths = [resolve_model(m, pull=not no_pull) for m in ([model] if other is None else [model, other])]
     res = [perplexity(p, text, ctx=ctx, n_threads=n_threads, max_windows=max_windows, text_name=name)
            for p in paths]
-    pair = paired_ratio(res[0].window_nll, res[1].window_nll) if len(res) == 2 and res[0].n_windows > 1 else None
+    pair = compare(res[0], res[1]) if len(res) == 2 and res[0].n_windows > 1 else None
     if as_json:
         if other is None:
             click.echo(json.dumps(res[0].to_dict(), indent=1))

@@ -11,6 +11,7 @@ PPL = exp(mean negative log-likelihood over all scored tokens).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -42,6 +43,7 @@ class PerplexityResult:
     seconds: float
     method: str = METHOD
     window_nll: tuple[float, ...] = ()   # mean NLL of each window's scored tokens (for paired comparisons)
+    tokens_sha256: str = ""              # sha256 of the windows' token ids (int64): equal = same windows
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,6 +67,22 @@ def paired_ratio(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, 
     t = _T975.get(d.size - 1, 1.96) if d.size - 1 <= 30 else 1.96
     m = float(d.mean())
     return math.exp(m), math.exp(m - t * se), math.exp(m + t * se)
+
+
+def compare(a: PerplexityResult, b: PerplexityResult) -> tuple[float, float, float]:
+    """`paired_ratio` of two results, after checking that they scored the very same windows.
+
+    Models whose tokenizers split the text differently score different tokens; their perplexities
+    are not comparable token for token, so this refuses them rather than pair unrelated windows.
+    """
+    if a.ctx != b.ctx or a.n_windows != b.n_windows:
+        raise InvalidArgument(f"paired comparison needs the same windows: {a.model} has {a.n_windows} x ctx {a.ctx}, "
+                              f"{b.model} has {b.n_windows} x ctx {b.ctx}")
+    if a.tokens_sha256 != b.tokens_sha256:
+        raise InvalidArgument(f"{a.model} and {b.model} tokenize the text differently ({a.n_text_tokens} vs "
+                              f"{b.n_text_tokens} tokens, different token ids); a paired comparison needs "
+                              "models with the same tokenizer")
+    return paired_ratio(a.window_nll, b.window_nll)
 
 
 # Student's t 97.5% quantiles for 1..30 degrees of freedom (two-sided 95% intervals).
@@ -114,12 +132,16 @@ def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int |
             nll.append(-_log_softmax_at(logits[:-1], targets))
             if progress is not None:
                 progress("perplexity", w + 1, n_windows)
+        scored = np.asarray(tokens[:n_windows * ctx], dtype=np.int64).reshape(n_windows, ctx)
+        if add_bos:
+            scored[:, 0] = tok.bos_id
         all_nll = np.concatenate(nll)
         mean = float(all_nll.mean())
         se = float(all_nll.std(ddof=1) / math.sqrt(len(all_nll))) if len(all_nll) > 1 else 0.0
         return PerplexityResult(model=Path(model).name, text=text_name, ctx=ctx, ppl=math.exp(mean), nll=mean,
                                 nll_stderr=se, n_windows=n_windows, n_scored=int(all_nll.size),
                                 n_text_tokens=len(tokens), seconds=time.perf_counter() - t0,
-                                window_nll=tuple(float(v.mean()) for v in nll))
+                                window_nll=tuple(float(v.mean()) for v in nll),
+                                tokens_sha256=hashlib.sha256(scored.tobytes()).hexdigest())
     finally:
         be.close()

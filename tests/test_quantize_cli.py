@@ -155,5 +155,23 @@ def test_eval_ppl_vs(src, tmp_path):
     assert a["ppl"] != b["ppl"]                           # the quantized model really differs
     r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128", "--vs", src)
     assert r.exit_code == 0 and "= 1.0000 (95% 1.0000 .. 1.0000, paired over" in r.stdout, r.output
+    assert a["tokens_sha256"] == b["tokens_sha256"] and len(a["tokens_sha256"]) == 64
     r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128", "--vs", tmp_path / "missing.gguf")
     assert r.exit_code == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.output
+
+
+def test_paired_comparison_refuses_different_tokens():
+    """compare() pairs only results that scored the same token ids (same tokenizer, ctx, windows)."""
+    import dataclasses
+
+    from edgerun.errors import InvalidArgument
+    from edgerun.perplexity import PerplexityResult, compare
+    a = PerplexityResult(model="a.gguf", text="t", ctx=128, ppl=math.exp(2.0), nll=2.0, nll_stderr=0.1, n_windows=3,
+                         n_scored=189, n_text_tokens=400, seconds=1.0, window_nll=(2.0, 2.1, 1.9), tokens_sha256="ab")
+    b = dataclasses.replace(a, model="b.gguf", window_nll=(2.1, 2.2, 2.0))
+    ratio, lo, hi = compare(a, b)
+    assert math.isclose(ratio, math.exp(-0.1)) and lo <= ratio <= hi
+    with pytest.raises(InvalidArgument, match="tokenize the text differently"):
+        compare(a, dataclasses.replace(b, tokens_sha256="cd", n_text_tokens=380))
+    with pytest.raises(InvalidArgument, match="same windows"):
+        compare(a, dataclasses.replace(b, n_windows=2, window_nll=(2.1, 2.2)))
