@@ -133,6 +133,15 @@ def test_paired_ratio():
         paired_ratio(base, base[:8])
 
 
+def test_t_quantile_beyond_the_table():
+    """More than 31 windows: the t quantile keeps shrinking towards 1.96, not jumping to it."""
+    from edgerun.perplexity import t975
+    exact = {1: 12.706, 10: 2.228, 30: 2.042, 31: 2.0395, 40: 2.0211, 47: 2.0117, 60: 2.0003, 120: 1.9799}
+    for dof, t in exact.items():
+        assert abs(t975(dof) - t) < 1e-3, (dof, t975(dof))
+    assert all(t975(v) > t975(v + 1) > 1.96 for v in range(1, 500))
+
+
 def test_eval_ppl_text_shorter_than_window(src, tmp_path):
     (tmp_path / "t.txt").write_text("tiny")
     r = run("eval", "ppl", src, "--text", tmp_path / "t.txt", "--ctx", "128")
