@@ -132,20 +132,17 @@ def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int |
             raise InvalidArgument(f"the text has {len(tokens)} tokens; expected at least ctx = {ctx} "
                                   "for one perplexity window")
         first = ctx // 2
+        windows = np.asarray(tokens[:n_windows * ctx], dtype=np.int64).reshape(n_windows, ctx)
+        if add_bos:
+            windows[:, 0] = tok.bos_id
         nll = []
-        for w in range(n_windows):
-            window = list(tokens[w * ctx:(w + 1) * ctx])
-            if add_bos:
-                window[0] = tok.bos_id
+        for w, window in enumerate(windows):
             be.truncate(0)
-            logits = be.eval(window, n_logits=ctx - first)            # positions first .. ctx-1
-            targets = np.asarray(window[first + 1:], dtype=np.int64)  # [ctx - first - 1]
+            logits = be.eval(window.tolist(), n_logits=ctx - first)   # positions first .. ctx-1
+            targets = window[first + 1:]                              # [ctx - first - 1]
             nll.append(-_log_softmax_at(logits[:-1], targets))
             if progress is not None:
                 progress("perplexity", w + 1, n_windows)
-        scored = np.asarray(tokens[:n_windows * ctx], dtype=np.int64).reshape(n_windows, ctx)
-        if add_bos:
-            scored[:, 0] = tok.bos_id
         all_nll = np.concatenate(nll)
         mean = float(all_nll.mean())
         se = float(all_nll.std(ddof=1) / math.sqrt(len(all_nll))) if len(all_nll) > 1 else 0.0
@@ -153,6 +150,6 @@ def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int |
                                 nll_stderr=se, n_windows=n_windows, n_scored=int(all_nll.size),
                                 n_text_tokens=len(tokens), seconds=time.perf_counter() - t0,
                                 window_nll=tuple(float(v.mean()) for v in nll),
-                                tokens_sha256=hashlib.sha256(scored.tobytes()).hexdigest())
+                                tokens_sha256=hashlib.sha256(windows.tobytes()).hexdigest())
     finally:
         be.close()
