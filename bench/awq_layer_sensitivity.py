@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from awq import eval_texts, float_reference  # noqa: E402
 
 from edgerun.config import QuantArgs  # noqa: E402
-from edgerun.gguf_io import TensorPlan, open_source, source_kv, write_gguf  # noqa: E402
+from edgerun.gguf_io import open_source, source_kv, write_gguf  # noqa: E402
 from edgerun.perplexity import compare, perplexity  # noqa: E402
 from edgerun.quant import formats as F  # noqa: E402
 from edgerun.quant import pipeline as P  # noqa: E402
@@ -44,20 +44,13 @@ def write_mixed(ref: Path, out: Path, fmt: str, keep: set[int]) -> None:
     src = open_source(str(ref))
     cfg = src.cfg
     args = QuantArgs(method="rtn", format=fmt)
-    names = src.tensor_names()
 
     def kept(n: str) -> bool:
         return P._kind(cfg, n) == "linear" and int(n.split(".")[1]) in keep
 
-    plan = []
-    for n in names:
-        shape = tuple(int(v) for v in src.tensor(n).shape) if n.startswith(("rope", "output_norm")) \
-            else P._shape(cfg, n)
-        kind = P._kind(cfg, n)
-        qt = "q8_0" if kept(n) else {"embed": args.embed_type, "linear": fmt, "f32": "f32"}[kind]
-        plan.append(TensorPlan(n, shape, P._ggml(qt)))
+    plan = P.tensor_plan(src, args, lambda n: "q8_0" if kept(n) else P.storage_type(cfg, n, args))
     data = (F.pack("q8_0", src.tensor(n)) if kept(n) else P._store(P._kind(cfg, n), src.tensor(n), args)
-            for n in names)
+            for n in src.tensor_names())
     write_gguf(out, cfg.arch, list(source_kv(src)), plan, data, P.FILE_TYPE[fmt])
 
 

@@ -257,14 +257,7 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
             vocab_path = src.path if isinstance(src, GGUFSource) else _vocab_gguf(src, Path(tmp))
             report.calib_name, seqs = _calibration(src, vocab_path, args, cfg)
             report.calib_tokens = int(seqs.size)
-        names = src.tensor_names()
-        plan = []
-        for n in names:
-            shape = tuple(int(v) for v in src.tensor(n).shape) if n.startswith(("rope", "output_norm")) \
-                else _shape(cfg, n)
-            kind = _kind(cfg, n)
-            qt = {"embed": args.embed_type, "linear": args.format, "f32": "f32"}[kind]
-            plan.append(TensorPlan(n, shape, _ggml(qt)))
+        plan = tensor_plan(src, args)
         import gguf
         T = gguf.GGUFValueType
         meta = [KV("edgerun.quant.method", args.method, T.STRING), KV("edgerun.quant.format", args.format, T.STRING),
@@ -284,6 +277,24 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
     log.info("quantized %s -> %s in %.1f s (error reduction %.1f%%)", src.name, out, report.seconds,
              100 * report.error_reduction)
     return report
+
+
+def storage_type(cfg: ModelConfig, name: str, args: QuantArgs) -> str:
+    """How `name` is stored: args.embed_type (token_embd/output), args.format (block linears) or f32."""
+    return {"embed": args.embed_type, "linear": args.format, "f32": "f32"}[_kind(cfg, name)]
+
+
+def tensor_plan(src, args: QuantArgs, qtype: Callable[[str], str] | None = None) -> list[TensorPlan]:
+    """The output's tensors in source order with their shapes and types (`qtype(name)` overrides
+    `storage_type`, e.g. bench/awq_layer_sensitivity.py keeping some layers at q8_0)."""
+    cfg = src.cfg
+    qtype = qtype or (lambda n: storage_type(cfg, n, args))
+    plan = []
+    for n in src.tensor_names():
+        shape = tuple(int(v) for v in src.tensor(n).shape) if n.startswith(("rope", "output_norm")) \
+            else _shape(cfg, n)
+        plan.append(TensorPlan(n, shape, _ggml(qtype(n))))
+    return plan
 
 
 def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
