@@ -19,6 +19,8 @@ log = logging.getLogger("edgerun.llama")
 _lock = threading.Lock()
 _lib = None
 _log_cb = None  # keep the ctypes callback alive
+_amx_warned = False
+AMX_ENV = "EDGERUN_LLAMA_AMX"    # "1": let an AMX build of llama.cpp use its AMX kernels
 
 
 def lib():
@@ -53,6 +55,32 @@ def check_gguf(path: str | Path) -> Path:
     return read_info(path).path
 
 
+def amx_in_build() -> bool:
+    """Whether this llama.cpp build has Intel AMX matmul kernels (its system info says AMX_INT8 = 1)."""
+    return "AMX_INT8 = 1" in lib().llama_print_system_info().decode("utf-8", "replace")
+
+
+def use_extra_buffers() -> bool:
+    """Whether models load with llama.cpp's extra CPU buffer types (AMX, weight repacking).
+
+    llama.cpp built with -march=native on a CPU with AMX (Sapphire Rapids and newer Xeons) puts
+    Q4_0/Q4_1/Q8_0 weights into AMX buffers, and its AMX matmul segfaults on some virtual machines
+    (seen on a 2-core Firecracker VM: the whole process dies in ggml_backend_amx_mul_mat). edgerun
+    cannot catch a segfault, so for such a build it loads weights without the extra buffer types
+    (plain AVX-512 kernels; correct everywhere, slower) unless EDGERUN_LLAMA_AMX=1. A build made
+    without AMX (README: "Intel AMX") keeps weight repacking and is unaffected.
+    """
+    global _amx_warned
+    if not amx_in_build() or os.environ.get(AMX_ENV) == "1":
+        return True
+    if not _amx_warned:
+        _amx_warned = True
+        log.warning("this llama.cpp build uses Intel AMX kernels, which crash on some virtual machines: "
+                    "loading weights without AMX and repacking (slower). Rebuild llama-cpp-python without "
+                    "AMX for full speed (README, 'Intel AMX'), or set %s=1 where AMX works.", AMX_ENV)
+    return False
+
+
 class Model:
     """An owned llama_model pointer (freed on close/garbage collection)."""
 
@@ -68,6 +96,7 @@ class Model:
         params = L.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = n_gpu_layers
+        params.use_extra_bufts = use_extra_buffers()
         params.load_mode = {(True, False): L.LLAMA_LOAD_MODE_MMAP, (True, True): L.LLAMA_LOAD_MODE_MMAP_MLOCK,
                             (False, True): L.LLAMA_LOAD_MODE_MLOCK, (False, False): L.LLAMA_LOAD_MODE_NONE}[
             (bool(use_mmap), bool(use_mlock))]

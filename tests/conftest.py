@@ -12,6 +12,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tinymodel import write_tiny_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _llama_cpp_like_edgerun():
+    """Tests that call llama_cpp.Llama directly load models the way edgerun does.
+
+    On a llama.cpp build with AMX kernels, edgerun loads weights without the extra buffer types
+    (`llama_lib.use_extra_buffers`: those kernels segfault on some VMs, taking pytest with them);
+    the direct llama_cpp.Llama uses in tests get the same model parameters.
+    """
+    try:
+        import llama_cpp.llama_cpp as llama_cpp          # the module llama_cpp.Llama reads its defaults from
+    except ImportError:
+        yield
+        return
+    from edgerun import llama_lib
+    if llama_lib.use_extra_buffers():
+        yield
+        return
+    orig = llama_cpp.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        llama_cpp.llama_model_default_params = orig
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """make(**kwargs) -> Path of a tiny GGUF (write_tiny_model kwargs), cached per session by kwargs."""

@@ -95,3 +95,27 @@ def test_truncate_repairs_positions_the_bookkeeping_missed(backend):
     out = backend.eval([toks[-1]])         # would fail with llama_decode -1 without the repair
     backend.truncate(0)
     np.testing.assert_allclose(out[-1], backend.eval(toks)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_amx_build_loads_without_extra_buffers_and_gives_the_same_logits(tiny_llama, monkeypatch, caplog):
+    """An AMX build of llama.cpp (its AMX matmul segfaults on some VMs) loads weights without the
+    extra buffer types unless EDGERUN_LLAMA_AMX=1; the model computes the same logits."""
+    from edgerun import llama_lib
+    monkeypatch.delenv(llama_lib.AMX_ENV, raising=False)
+    monkeypatch.setattr(llama_lib, "amx_in_build", lambda: False)
+    assert llama_lib.use_extra_buffers()
+    b = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=2))
+    toks = b.tokenizer.tokenize("the cat is in the net", add_bos=False)
+    want = b.eval(toks)
+    b.close()
+
+    monkeypatch.setattr(llama_lib, "amx_in_build", lambda: True)
+    monkeypatch.setattr(llama_lib, "_amx_warned", False)
+    with caplog.at_level("WARNING", logger="edgerun.llama"):
+        assert not llama_lib.use_extra_buffers()
+    assert "AMX" in caplog.text and llama_lib.AMX_ENV in caplog.text
+    b = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=2))
+    np.testing.assert_allclose(b.eval(toks), want, rtol=1e-4, atol=1e-4)
+    b.close()
+    monkeypatch.setenv(llama_lib.AMX_ENV, "1")
+    assert llama_lib.use_extra_buffers()
