@@ -59,6 +59,12 @@ def eval_texts(wiki: str) -> dict[str, str]:
     return {"wiki": Path(wiki).read_text(), "code": stdlib_code_text(6_400_000)[6_000_000:]}
 
 
+def score_texts(path: Path, texts: dict[str, str], windows: int, threads: int) -> dict:
+    """{text name: PerplexityResult} of the GGUF at `path` on each text (ctx 512, first `windows` windows)."""
+    return {t: perplexity(path, text, ctx=512, n_threads=threads, max_windows=windows, text_name=t)
+            for t, text in texts.items()}
+
+
 def run_child(cmd: list[str]) -> dict:
     """Run a command; return wall seconds, CPU seconds and peak RSS (MB) of that child."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from awq import eval_texts, float_reference  # noqa: E402
+from awq import eval_texts, float_reference, score_texts  # noqa: E402
 
 from edgerun.config import QuantArgs  # noqa: E402
 from edgerun.gguf_io import open_source, source_kv, write_gguf  # noqa: E402
-from edgerun.perplexity import compare, perplexity  # noqa: E402
+from edgerun.perplexity import compare  # noqa: E402
 from edgerun.quant import formats as F  # noqa: E402
 from edgerun.quant import pipeline as P  # noqa: E402
 from edgerun.registry import resolve_model  # noqa: E402
@@ -109,8 +109,7 @@ def main() -> None:
     texts = eval_texts(a.wiki)
 
     def score(path: Path) -> dict:
-        return {t: perplexity(path, text, ctx=512, n_threads=a.threads, max_windows=a.windows, text_name=t)
-                for t, text in texts.items()}
+        return score_texts(path, texts, a.windows, a.threads)
 
     t0 = time.perf_counter()
     rtn_path = work / f"{a.model}.rtn_{a.format}.noise_base.gguf"

@@ -7,6 +7,7 @@ so a GGUF is checked here first: magic, readable header, tensor data inside the 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -55,6 +56,7 @@ def check_gguf(path: str | Path) -> Path:
     return read_info(path).path
 
 
+@functools.cache
 def amx_in_build() -> bool:
     """Whether this llama.cpp build has Intel AMX matmul kernels (its system info says AMX_INT8 = 1)."""
     return "AMX_INT8 = 1" in lib().llama_print_system_info().decode("utf-8", "replace")
