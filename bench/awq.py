@@ -36,10 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edgerun.calib import pydoc_text, stdlib_code_text  # noqa: E402
-from edgerun.gguf_io import GGUFSource, TensorPlan, source_kv, write_gguf  # noqa: E402
-from edgerun.perplexity import paired_ratio, perplexity  # noqa: E402
-from edgerun.registry import resolve_model  # noqa: E402
+from edgerun.eval.texts import pydoc_text, stdlib_code_text# noqa: E402
+from edgerun.formats.gguf import GGUFSource, TensorPlan, source_kv, write_gguf# noqa: E402
+from edgerun.eval.perplexity import paired_ratio, perplexity# noqa: E402
+from edgerun.registry.cache import resolve_model# noqa: E402
 
 
 def float_reference(src_path: Path, out: Path) -> Path:

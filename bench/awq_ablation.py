@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from awq import eval_texts, float_reference, run_child  # noqa: E402
 
-from edgerun.perplexity import paired_ratio, perplexity  # noqa: E402
-from edgerun.quant.pipeline import ELEMENT_IMPORTANCE  # noqa: E402
-from edgerun.registry import resolve_model  # noqa: E402
+from edgerun.eval.perplexity import paired_ratio, perplexity# noqa: E402
+from edgerun.quant.pipeline import ELEMENT_IMPORTANCE# noqa: E402
+from edgerun.registry.cache import resolve_model# noqa: E402
 
 CHILD = """import json, sys
 from edgerun.quant.pipeline import quantize

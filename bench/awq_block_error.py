@@ -29,14 +29,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from awq import float_reference  # noqa: E402
 
-from edgerun.calib import token_sequences  # noqa: E402
-from edgerun.config import QuantArgs  # noqa: E402
-from edgerun.gguf_io import open_source  # noqa: E402
-from edgerun.quant import formats as F  # noqa: E402
-from edgerun.quant import pipeline  # noqa: E402
-from edgerun.reference.llama import block_forward  # noqa: E402
-from edgerun.registry import resolve_model  # noqa: E402
-from edgerun.tokenizer import Tokenizer  # noqa: E402
+from edgerun.eval.texts import token_sequences# noqa: E402
+from edgerun.config import QuantArgs# noqa: E402
+from edgerun.formats import open_source# noqa: E402
+from edgerun.quant import formats as F# noqa: E402
+from edgerun.quant import pipeline# noqa: E402
+from edgerun.reference.llama import block_forward# noqa: E402
+from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.tokenizer import Tokenizer# noqa: E402
 
 VARIANTS = {"awq": {}, "awq_all": {"scale_after_linear": True}, "search": {"scales": False}}
 

@@ -52,13 +52,14 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
-from edgerun.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from edgerun.backends.onnxrt import OnnxBackend  # noqa: E402
-from edgerun.config import BackendArgs, QuantArgs, SamplingArgs  # noqa: E402
-from edgerun.generate import GenStats, generate  # noqa: E402
-from edgerun.onnx_export import export_onnx, read_config  # noqa: E402
-from edgerun.spec.drafters import ModelDrafter  # noqa: E402
-from edgerun.spec.gamma import FixedGamma  # noqa: E402
+from edgerun.backends.llamacpp import LlamaCppBackend# noqa: E402
+from edgerun.backends.onnxrt import OnnxBackend# noqa: E402
+from edgerun.config import BackendArgs, QuantArgs, SamplingArgs# noqa: E402
+from edgerun.generate import GenStats, generate# noqa: E402
+from edgerun.onnx.export import export_onnx
+from edgerun.onnx.layout import read_config  # noqa: E402
+from edgerun.spec.drafters import ModelDrafter# noqa: E402
+from edgerun.spec.gamma import FixedGamma# noqa: E402
 
 GREEDY = SamplingArgs(temperature=0)
 PROMPT = ("Write a long, detailed essay about the history of the steam engine, from its earliest "
@@ -86,7 +87,7 @@ def export_acc1(q: Path, work: Path, n_ctx: int, log) -> Path:
 def prepare(name: str, work: Path, n_ctx: int, log) -> tuple[Path, Path]:
     """(Q4_0 GGUF, ONNX export) of a registry model or a local GGUF, cached under `work`."""
     from edgerun.quant.pipeline import quantize
-    from edgerun.registry import resolve_model
+    from edgerun.registry.cache import resolve_model
 
     src = Path(name) if Path(name).exists() else resolve_model(name)
     stem = Path(name).stem if Path(name).exists() else name
@@ -354,7 +355,7 @@ def main() -> None:
         print(json.dumps(lockstep_cpu(Path(job["onnx_dir"]), job["prompt"], job["n"], job["n_ctx"])))
         return
 
-    from edgerun.registry import cache_dir
+    from edgerun.registry.cache import cache_dir
 
     work = Path(a.work) if a.work else cache_dir() / "bench-onnx"
     work.mkdir(parents=True, exist_ok=True)

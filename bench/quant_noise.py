@@ -34,12 +34,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from awq import eval_texts, float_reference, score_texts  # noqa: E402
 
-from edgerun.config import QuantArgs  # noqa: E402
-from edgerun.gguf_io import open_source, source_kv, write_gguf  # noqa: E402
-from edgerun.perplexity import compare  # noqa: E402
-from edgerun.quant import formats as F  # noqa: E402
-from edgerun.quant import pipeline as P  # noqa: E402
-from edgerun.registry import resolve_model  # noqa: E402
+from edgerun.config import QuantArgs# noqa: E402
+from edgerun.formats import open_source
+from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
+from edgerun.eval.perplexity import compare# noqa: E402
+from edgerun.quant import formats as F# noqa: E402
+from edgerun.quant import pipeline as P# noqa: E402
+from edgerun.registry.cache import resolve_model# noqa: E402
 
 TIE_TOL = 1e-3      # |fractional code coordinate - 0.5| below this is a tie (float32 noise is ~1e-6)
 

@@ -18,9 +18,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edgerun.hw.cost import CostCurve  # noqa: E402
-from edgerun.spec.drafters import PromptLookupDrafter  # noqa: E402
-from edgerun.spec.gamma import GammaTuner  # noqa: E402
+from edgerun.device.cost import CostCurve# noqa: E402
+from edgerun.spec.drafters import PromptLookupDrafter# noqa: E402
+from edgerun.spec.gamma import GammaTuner# noqa: E402
 
 
 def per_call(fn, n: int) -> float:

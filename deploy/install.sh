@@ -116,7 +116,7 @@ run "$venv/bin/python" -m pip install click pyyaml psutil
 run "$venv/bin/python" -m pip install --no-deps "$pkg"
 
 # --- 2. the board and its build flags ------------------------------------------------------------
-# From the device profile (edgerun/data/device_profiles/*.yaml, field build.cmake_args). A dry run
+# From the device profile (device_profiles/*.yaml, field build.cmake_args). A dry run
 # has no venv yet: it asks $python with the source tree on PYTHONPATH, and falls back to reading
 # the board files and the profile YAML directly.
 flags_json=""
@@ -164,9 +164,9 @@ else
         esac
         reason="no board-specific profile matched; generic profile by machine $(uname -m)"
     fi
-    yaml="$source_spec/edgerun/data/device_profiles/$board.yaml"
+    yaml="$source_spec/device_profiles/$board.yaml"
     if [ ! -f "$yaml" ]; then
-        echo "install.sh: no device profile $board ($yaml); expected one of edgerun/data/device_profiles/*.yaml" >&2
+        echo "install.sh: no device profile $board ($yaml); expected one of device_profiles/*.yaml" >&2
         exit 2
     fi
     cmake_args="$(sed -n 's/^  cmake_args: *"\(.*\)"$/\1/p' "$yaml")"

@@ -7,8 +7,8 @@
 
 __version__ = "0.1.0"
 
-from . import errors  # noqa: E402
-from .errors import EdgerunError  # noqa: E402
+from . import errors# noqa: E402
+from .errors import EdgerunError# noqa: E402
 
 
 def load(*args, **kwargs):

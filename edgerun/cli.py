@@ -12,9 +12,10 @@ import sys
 import click
 
 from . import __version__
+from .config import DEFAULT_MODEL
 from .errors import EdgerunError
+from .serve import settings as serve_settings
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class _Group(click.Group):
@@ -117,12 +118,12 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
              temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, as_json):
     """Complete PROMPT (raw text; '-' reads it from stdin)."""
     from .errors import InvalidArgument
-    from .runtime import _parse_gamma
+    from .runtime import parse_gamma
 
     if prompt == "-":
         prompt = sys.stdin.read()
     kw = _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    _parse_gamma(gamma)
+    parse_gamma(gamma)
     if max_tokens < 0:
         raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
@@ -223,7 +224,7 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
 # ---- commands of other modules are registered below (each in its own section) ----
 
 
-# ---- models: `edgerun list`, `edgerun pull` (edgerun/registry.py) -----------------------------
+# ---- models: `edgerun list`, `edgerun pull` (edgerun/registry/) -----------------------------
 
 
 @main.command("list")
@@ -275,53 +276,23 @@ def pull(names, pull_all, verify, force):
         click.echo(str(path))
 
 
-# ---- serving: `edgerun serve`, `edgerun service print` (edgerun/server.py, edgerun/service.py) --
+# ---- serving: `edgerun serve`, `edgerun service print` (edgerun/serve/) --
 
 
 @main.command()
-@click.option("--model", "-m", envvar="EDGERUN_MODEL", default=DEFAULT_MODEL, show_default=True, show_envvar=True,
-              help="Registry name, .gguf path, or exported ONNX directory.")
-@click.option("--draft", envvar="EDGERUN_DRAFT", default="auto", show_default=True, show_envvar=True,
-              help="Drafter: 'auto', 'none', 'lookup', or a model.")
-@click.option("--gamma", envvar="EDGERUN_GAMMA", default="auto", show_default=True, show_envvar=True,
-              help="Draft length: an integer (0 = plain decoding) or 'auto'.")
-@click.option("--profile", "profile_name", envvar="EDGERUN_PROFILE", default="auto", show_default=True,
-              show_envvar=True, help="Device profile name or YAML path ('auto' detects the board).")
-@click.option("--host", envvar="EDGERUN_HOST", default="127.0.0.1", show_default=True, show_envvar=True,
-              help="Address to bind. Anything but loopback exposes the API to the network: set an API key.")
-@click.option("--port", envvar="EDGERUN_PORT", type=click.IntRange(0, 65535), default=8080, show_default=True,
-              show_envvar=True)
-@click.option("--api-key", envvar="EDGERUN_API_KEY", default=None, show_envvar=True,
-              help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
-@click.option("--queue", envvar="EDGERUN_QUEUE", type=click.IntRange(0, None), default=8, show_default=True,
-              show_envvar=True, help="Requests allowed to wait behind the running one; more get 503 + Retry-After.")
-@click.option("--timeout", "timeout_s", envvar="EDGERUN_TIMEOUT", type=click.FloatRange(0, None, min_open=True),
-              default=300.0, show_default=True, show_envvar=True,
-              help="Server-side time limit per request in seconds (queue wait + generation).")
-@click.option("--max-body", "max_body_kb", envvar="EDGERUN_MAX_BODY_KB", type=click.IntRange(1, None),
-              default=1024, show_default=True, show_envvar=True, help="Largest request body in KiB (413 above).")
-@click.option("--shutdown-grace", envvar="EDGERUN_SHUTDOWN_GRACE", type=click.FloatRange(0, None), default=10.0,
-              show_default=True, show_envvar=True,
-              help="On SIGTERM, seconds the running generation may continue before it is cancelled.")
-@click.option("--ctx", "n_ctx", envvar="EDGERUN_CTX", type=int, default=None, show_envvar=True,
-              help="Context size in tokens (profile default).")
-@click.option("--threads", "n_threads", envvar="EDGERUN_THREADS", type=int, default=None, show_envvar=True,
-              help="CPU threads (profile default).")
-@click.option("--no-pull", is_flag=True, envvar="EDGERUN_NO_PULL", show_envvar=True,
-              help="Fail instead of downloading a model that is not cached.")
+@serve_settings.click_options
 @click.pass_context
-def serve(ctx, model, draft, gamma, profile_name, host, port, api_key, queue, timeout_s, max_body_kb,
-          shutdown_grace, n_ctx, n_threads, no_pull):
+def serve(ctx, **options):
     """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /health, /metrics).
 
     Every option can also come from its EDGERUN_* environment variable (the systemd unit reads them
     from /etc/edgerun/edgerun.env). The socket is bound at once and the models load in the
     background: /health answers 503 until they are ready.
     """
-    from .runtime import _parse_gamma
+    from .runtime import parse_gamma
 
     try:
-        from .server import ServerConfig, precheck, serve as run_server
+        from .serve.run import precheck, serve as run_server
     except ImportError as e:
         raise EdgerunError(f"`edgerun serve` needs the 'serve' extra ({e.name} is not installed): "
                            f"pip install 'edgerun[serve]'") from e
@@ -329,11 +300,8 @@ def serve(ctx, model, draft, gamma, profile_name, host, port, api_key, queue, ti
     if ctx.find_root().params.get("verbose", 0) == 0:
         logging.getLogger("edgerun").setLevel(logging.INFO)
         logging.getLogger("uvicorn").setLevel(logging.INFO)
-    _parse_gamma(gamma)
-    config = ServerConfig(model=model, draft=None if draft == "none" else draft, profile=profile_name, host=host,
-                          port=port, api_key=api_key or None, queue=queue, timeout_s=timeout_s,
-                          max_body_bytes=max_body_kb * 1024, shutdown_grace_s=shutdown_grace, n_ctx=n_ctx,
-                          n_threads=n_threads, gamma=gamma, pull=not no_pull)
+    parse_gamma(options["gamma"])
+    config = serve_settings.config_from_options(options)
     precheck(config)
     run_server(config)
 
@@ -351,7 +319,7 @@ def service() -> None:
               help="ExecStart= command (default: this installation's `edgerun serve`).")
 def service_print(env_file, watchdog_sec, exec_start):
     """Print the systemd unit for this installation (paths filled in)."""
-    from .service import render_unit
+    from .serve.systemd import render_unit
 
     click.echo(render_unit(exec_start, env_file=env_file, watchdog_sec=watchdog_sec), nl=False)
 
@@ -361,12 +329,12 @@ def service_print(env_file, watchdog_sec, exec_start):
               help="Device profile name or YAML path ('auto' detects the board).")
 def service_build_flags(profile_name):
     """Print (JSON) the device profile and the llama-cpp-python build flags install.sh uses."""
-    from .service import build_flags
+    from .serve.systemd import build_flags
 
     click.echo(json.dumps(build_flags(profile_name)))
 
 
-# ---- device profiles and probes: `edgerun profile show|detect|list|probe` (edgerun/profile.py, edgerun/hw/) --
+# ---- device profiles and probes: `edgerun profile show|detect|list|probe` (edgerun/device/) --
 
 @main.group("profile")
 def profile_group() -> None:
@@ -397,7 +365,7 @@ def _profile_lines(prof, why: str | None) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the whole profile as JSON.")
 def profile_show(name, as_json):
     """Show a profile (NAME, a YAML path, or 'auto' for the detected one)."""
-    from .profile import resolve
+    from .device.detect import resolve
 
     prof, why = resolve(name)
     if as_json:
@@ -413,7 +381,7 @@ def profile_detect(root, as_json):
     """Detect the device and say which profile fits and why."""
     import dataclasses
 
-    from .profile import detect, gather_facts
+    from .device.detect import detect, gather_facts
 
     prof, why = detect(root)
     facts = dataclasses.asdict(gather_facts(root))
@@ -428,7 +396,7 @@ def profile_detect(root, as_json):
 @profile_group.command("list")
 def profile_list():
     """List the known profiles (shipped and user)."""
-    from .profile import all_profiles
+    from .device.profiles import all_profiles
 
     for p in all_profiles():
         click.echo(f"{p.name:22s} {p.description}")
@@ -445,8 +413,8 @@ def profile_list():
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_pull, as_json):
     """Measure memory bandwidth (and a model pair's cost curve); results are cached for the gamma tuner."""
-    from .hw.probe import bandwidth_report, cost_report
-    from .profile import resolve
+    from .device.probe import bandwidth_report, cost_report
+    from .device.detect import resolve
 
     prof, _ = resolve(profile_name)
     bw = bandwidth_report(prof, array_bytes=size_mib * 1024 * 1024 if size_mib else None, threads=threads)
@@ -472,7 +440,7 @@ def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_p
                        f"({cost['draft_vs_target']:.2f} x a target step)")
 
 
-# ---- quantization: `edgerun quantize`, `edgerun eval ppl` (edgerun/quant/pipeline.py, edgerun/perplexity.py) --
+# ---- quantization: `edgerun quantize`, `edgerun eval ppl` (edgerun/quant/pipeline.py, edgerun/eval/) --
 
 @main.command()
 @click.argument("source")
@@ -536,9 +504,9 @@ def eval_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, other, as_json):
     """Perplexity of MODEL on a text, scored like llama.cpp's llama-perplexity (second half of each window)."""
-    from .calib import load_text
-    from .perplexity import compare, perplexity
-    from .registry import resolve_model
+    from .eval.texts import load_text
+    from .eval.perplexity import compare, perplexity
+    from .registry.cache import resolve_model
 
     name, text = load_text(text_spec)
     paths = [resolve_model(m, pull=not no_pull) for m in ([model] if other is None else [model, other])]
@@ -564,7 +532,7 @@ def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, other, as_j
                        f"paired over {res[0].n_windows} windows)")
 
 
-# ---- ONNX export: `edgerun export onnx` (edgerun/onnx_export.py) ---------------------------------
+# ---- ONNX export: `edgerun export onnx` (edgerun/onnx/) ---------------------------------
 
 @main.group("export")
 def export_group() -> None:
@@ -590,8 +558,9 @@ def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_j
     from dataclasses import asdict
     from pathlib import Path
 
-    from .onnx_export import export_onnx, read_config
-    from .registry import resolve_model
+    from .onnx.export import export_onnx
+    from .onnx.layout import read_config
+    from .registry.cache import resolve_model
 
     src = Path(source) if Path(source).exists() else resolve_model(source, pull=not no_pull)
     out = export_onnx(src, out_dir, n_ctx=n_ctx, accuracy_level=accuracy_level, force=force,
@@ -601,7 +570,7 @@ def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_j
         click.echo(json.dumps(asdict(cfg), indent=1))
         return
     lossy = [k for k, v in cfg.conversions.items() if not v.endswith("(lossless)")]
-    click.echo(f"wrote {out}: {cfg.architecture}, {cfg.n_layer} layers, vocab {cfg.n_vocab}, n_ctx {cfg.n_ctx}, "
+    click.echo(f"wrote {out}: {cfg.model.arch}, {cfg.model.n_layer} layers, vocab {cfg.model.n_vocab}, n_ctx {cfg.n_ctx}, "
                f"{cfg.weight_bytes / 1e6:.1f} MB of weights per token; "
                + ("all weights converted without loss" if not lossy
                   else f"{len(lossy)} of {len(cfg.conversions)} weight tensors re-quantized"))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidArgument
 
+DEFAULT_MODEL = "smollm2-135m-instruct"   # what `edgerun chat` and edgerun.load() run when no model is named
 GAMMA_LIMIT = 32  # drafting more than this per cycle is never useful and is refused
 
 

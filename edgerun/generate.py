@@ -1,7 +1,7 @@
 """THE decode loop. Plain decoding is speculative decoding with gamma = 0.
 
 Each cycle:  draft gamma tokens -> ONE target eval of [pending] + draft (gamma + 1 positions)
--> verify (Leviathan rejection sampling) -> commit accepted + next token -> tuner.observe.
+-> verify (Leviathan rejection sampling) -> policy.observe -> commit accepted + next token.
 `pending` is the last committed token, not yet in the target's KV cache; the target cache
 always holds `committed[:-1]` between cycles, and the `finally` restores that invariant
 (rollback) whatever happens: an exception, a stop string, or a consumer that closes the stream.
@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
-from .backends.base import Backend
+from .backends.base import Backend, common_prefix
 from .config import SamplingArgs
 from .errors import ContextOverflow, InvalidArgument
-from .spec.gamma import FixedGamma
+from .spec.gamma import FixedGamma, GammaPolicy
 from .spec.sampling import greedy_token, penalised, probs
 from .spec.verify import verify, verify_greedy
+
+if TYPE_CHECKING:
+    from .spec.drafters import Drafter
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class Step:
     """One committed token. t_draft/t_verify are the cycle's times, carried by its first Step (0 on the rest)."""
 
     token: int
-    text: str            # text released with this token ('' while held back for a possible stop string)
+    text: str            # text this token adds ('' if its bytes end inside a UTF-8 character; cut before a stop)
     from_draft: bool     # True: a drafted token the target accepted
     gamma: int           # draft length of the cycle that produced it
     n_accepted: int      # drafted tokens accepted in that cycle
@@ -112,29 +115,23 @@ class GenStats:
         return d
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class _TextReleaser:
-    """Turns committed tokens into text, holding back pieces that may begin a stop string."""
+    """Turns committed tokens into Steps, holding back those whose text may begin a stop string."""
 
-    def __init__(self, detok_bytes, stop: Sequence[str]) -> None:
+    def __init__(self, detok_bytes: Callable[[int], bytes], stop: Sequence[str]) -> None:
         self._detok = detok_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = [s for s in stop if s]
-        self._held: list[tuple[int, str, bool, int, int, float, float]] = []
+        self._held: list[Step] = []          # held back, each with its token's whole decoded text
 
-    def push(self, token: int, *meta) -> tuple[list[Step], bool]:
+    def push(self, token: int, from_draft: bool, gamma: int, n_accepted: int, t_draft: float,
+             t_verify: float) -> tuple[list[Step], bool]:
         """Add a token; return (steps now released, stop string hit)."""
-        self._held.append((token, self._utf8.decode(self._detok(token)), *meta))
+        step = Step(token, self._utf8.decode(self._detok(token)), from_draft, gamma, n_accepted, t_draft, t_verify)
         if not self._stop:
-            return self.flush(), False
-        text = "".join(h[1] for h in self._held)
+            return [step], False
+        self._held.append(step)
+        text = "".join(h.text for h in self._held)
         cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             return self._release(cut), True
@@ -143,17 +140,19 @@ class _TextReleaser:
         return self.flush(), False
 
     def flush(self) -> list[Step]:
-        return self._release(None)
+        out, self._held = self._held, []
+        return out
 
-    def _release(self, limit: int | None) -> list[Step]:
+    def _release(self, limit: int) -> list[Step]:
+        """The held Steps up to `limit` characters of their text (the stop string and what follows it: dropped)."""
         out, used = [], 0
-        for token, piece, *meta in self._held:
-            if limit is not None:
-                if used >= limit:
-                    break
-                piece = piece[: limit - used]
-            used += len(piece)
-            out.append(Step(token, piece, *meta))
+        for step in self._held:
+            if used >= limit:
+                break
+            if used + len(step.text) > limit:
+                step = replace(step, text=step.text[: limit - used])
+            used += len(step.text)
+            out.append(step)
         self._held = []
         return out
 
@@ -165,16 +164,17 @@ def generate(
     *,
     max_tokens: int,
     stop: Sequence[str] = (),
-    drafter=None,
-    policy=None,
+    drafter: Drafter | None = None,
+    policy: GammaPolicy | None = None,
     rng: np.random.Generator | None = None,
     stats: GenStats | None = None,
-    is_eog=None,
+    is_eog: Callable[[int], bool] | None = None,
 ) -> Iterator[Step]:
     """Generate up to max_tokens tokens after prompt_tokens, yielding one Step per committed token.
 
     drafter: None (plain decoding) or a Drafter (spec/drafters.py). policy: chooses gamma per cycle
-    (FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends generation.
+    (spec/gamma.py: FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends
+    generation (default: the tokenizer's end-of-generation tokens).
     """
     if max_tokens < 0:
         raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
@@ -196,7 +196,27 @@ def generate(
 
     t_start = time.perf_counter()
     committed = list(prompt_tokens)            # committed[-1] is `pending`: not yet in the target cache
+    limit = len(committed) + max_tokens        # len(committed) once max_tokens are generated
     stats.n_prompt_tokens = len(committed)
+
+    def commit(new: list[int], n_acc: int, gamma: int, t_draft: float,
+               t_verify: float) -> Generator[Step, None, str | None]:
+        """Commit a cycle's tokens (its n_acc accepted drafts, then the target's token), yield the Steps
+        the releaser lets out, and return why generation ends ('eos' | 'stop' | 'length'; None: go on)."""
+        for i, tok in enumerate(new):
+            committed.append(tok)
+            if is_eog(tok):
+                return "eos"
+            stats.n_tokens += 1
+            steps, hit = releaser.push(tok, i < n_acc, gamma, n_acc,       # the cycle's times ride on its first Step
+                                       t_draft if i == 0 else 0.0, t_verify if i == 0 else 0.0)
+            yield from steps
+            if hit:
+                return "stop"
+            if len(committed) >= limit:
+                return "length"
+        return None
+
     try:
         # prefill: reuse the cached prefix (multi-turn chat), evaluate the rest without logits
         keep = common_prefix(target.tokens, committed[:-1])
@@ -204,16 +224,19 @@ def generate(
         if keep < len(committed) - 1:
             target.eval(committed[keep:-1], n_logits=0)
         stats.t_prefill_s = time.perf_counter() - t_start
+        if max_tokens == 0:
+            stats.finish_reason = "length"             # nothing to generate: the prompt is prefilled all the same
+            return
 
-        n_out = 0
-        while n_out < max_tokens:
+        finish = None
+        while finish is None:
             room = target.n_ctx - len(committed)       # cache slots left for drafts once pending goes in
             if room < 0:
-                stats.finish_reason = "length"         # context full (documented policy: stop, no sliding)
+                finish = "length"                      # context full (documented policy: stop, no sliding)
                 break
             gamma = 0
             if drafter is not None:
-                gamma = min(policy.choose(drafter.hint(committed)), max_tokens - n_out - 1, room)
+                gamma = min(policy.choose(drafter.hint(committed)), limit - len(committed) - 1, room)
             t0 = time.perf_counter()
             draft, q = drafter.propose(committed, gamma, sampling, rng) if gamma > 0 else ([], None)
             gamma = len(draft)
@@ -237,30 +260,9 @@ def generate(
             target.truncate(len(committed) + n_acc)
             policy.observe(gamma, n_acc, t1 - t0, t2 - t1)
             stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
-
-            new = [*draft[:n_acc], nxt]
-            for i, tok in enumerate(new):
-                committed.append(tok)
-                n_out += 1
-                if is_eog(tok):
-                    stats.finish_reason = "eos"
-                    break
-                stats.n_tokens += 1
-                first = i == 0
-                steps, hit = releaser.push(tok, i < n_acc, gamma, n_acc,
-                                           (t1 - t0) if first else 0.0, (t2 - t1) if first else 0.0)
-                yield from steps
-                if hit:
-                    stats.finish_reason = "stop"
-                    break
-                if n_out >= max_tokens:
-                    stats.finish_reason = "length"
-                    break
-            if stats.finish_reason:
-                break
-        else:
-            stats.finish_reason = stats.finish_reason or "length"
-        if stats.finish_reason != "stop":
+            finish = yield from commit([*draft[:n_acc], nxt], n_acc, gamma, t1 - t0, t2 - t1)
+        stats.finish_reason = finish
+        if finish != "stop":
             yield from releaser.flush()
     finally:
         # rollback: the target cache holds exactly the committed tokens minus pending

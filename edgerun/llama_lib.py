@@ -51,7 +51,7 @@ def lib():
 
 def check_gguf(path: str | Path) -> Path:
     """Raise a clear error unless `path` is a complete GGUF file (magic, header, tensor data in bounds)."""
-    from .ggufmeta import read_info
+    from .formats.ggufscan import read_info
 
     return read_info(path).path
 

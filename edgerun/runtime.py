@@ -10,10 +10,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backends import model_memory, open_backend
-from .config import BackendArgs, SamplingArgs, SpeculativeArgs
+from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
 from .errors import ContextOverflow, InvalidArgument
 from .generate import GenStats, Step, generate
-from .spec.gamma import FixedGamma
+from .spec.gamma import FixedGamma, GammaPolicy
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ class Completion:
                 "n_tokens": self.n_tokens, **self.stats.to_dict()}
 
 
-def _parse_gamma(gamma) -> int | None:
+def parse_gamma(gamma) -> int | None:
+    """A gamma option -> None for 'auto' (or unset), else a validated draft length (InvalidArgument if not)."""
     if gamma is None or gamma == "auto":
         return None
     if isinstance(gamma, str):
@@ -49,7 +50,7 @@ class Runtime:
     """A loaded target (+ optional drafter). Serves one generation at a time."""
 
     def __init__(self, target, *, model_name: str, drafter=None, draft_name: str | None = None,
-                 profile=None, spec: SpeculativeArgs = SpeculativeArgs(), policy=None,
+                 profile=None, spec: SpeculativeArgs = SpeculativeArgs(), policy: GammaPolicy | None = None,
                  sampling: SamplingArgs = SamplingArgs()) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
@@ -77,8 +78,8 @@ class Runtime:
             raise InvalidArgument(f"unknown sampling option(s) {sorted(unknown)}; expected some of {list(_SAMPLING_KEYS)}")
         return replace(self.sampling, **{k: v for k, v in kw.items() if v is not None})
 
-    def _policy_for(self, gamma) -> object:
-        g = _parse_gamma(gamma)
+    def _policy_for(self, gamma) -> GammaPolicy:
+        g = parse_gamma(gamma)
         return self.policy if g is None else FixedGamma(g)
 
     def _check_prompt(self, tokens: Sequence[int]) -> None:
@@ -150,7 +151,7 @@ class Runtime:
         self.close()
 
 
-def load(model: str | Path = "smollm2-135m-instruct", draft: str | None = "auto", profile: str = "auto", *,
+def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile: str = "auto", *,
          n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
          flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
          pull: bool = True, progress=None, sampling: SamplingArgs | None = None) -> Runtime:
@@ -159,16 +160,18 @@ def load(model: str | Path = "smollm2-135m-instruct", draft: str | None = "auto"
     draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
     profile: 'auto' (detect the device), a profile name, or a YAML path.
     """
-    from . import profile as profiles
-    from .registry import default_draft_for, resolve_model
+    from .device.detect import resolve as resolve_profile
+    from .device.memory import check_memory_fit
+    from .registry.manifest import default_draft_for
+    from .registry.cache import resolve_model
     from .spec.drafters import make_drafter
 
-    prof, why = profiles.resolve(profile)
+    prof, why = resolve_profile(profile)
     log.info("device profile %s (%s)", prof.name, why)
     overrides = {k: v for k, v in dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                        flash_attn=flash_attn).items() if v is not None}
     args: BackendArgs = prof.backend_args(**overrides)
-    spec = SpeculativeArgs(gamma=_parse_gamma(gamma),
+    spec = SpeculativeArgs(gamma=parse_gamma(gamma),
                            **{k: v for k, v in dict(gamma_max=gamma_max, p_min=p_min).items() if v is not None})
 
     target_path = Path(resolve_model(str(model), pull=pull, progress=progress))
@@ -179,7 +182,7 @@ def load(model: str | Path = "smollm2-135m-instruct", draft: str | None = "auto"
         draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))
     target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
-    profiles.check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
+    check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
                               kv_bytes=kv_bytes + draft_kv, n_ctx=args.n_ctx)
 
     target = open_backend(target_path, args)

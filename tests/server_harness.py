@@ -111,7 +111,8 @@ class InProcessServer:
     def __init__(self, config, load) -> None:
         import uvicorn
 
-        from edgerun.server import bind_socket, create_app
+        from edgerun.serve.run import bind_socket
+        from edgerun.serve.app import create_app
 
         self.app = create_app(config, load=load)
         self.state = self.app.state.edgerun

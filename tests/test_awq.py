@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgerun.config import QuantArgs
-from edgerun.gguf_io import GGUFSource, read_edgerun_metadata
+from edgerun.formats.gguf import GGUFSource, read_edgerun_metadata
 from edgerun.quant import awq
 from edgerun.quant import formats as F
 from edgerun.quant.pipeline import awq_block, quantize
@@ -100,7 +100,7 @@ def test_written_file_is_the_simulated_model_and_runs_in_llamacpp(src_model, awq
 def test_awq_is_closer_to_float_than_rtn(src_model, awq_q4_0, tmp_path):
     out, _ = awq_q4_0
     rtn = quantize(src_model, tmp_path / "rtn.gguf", QuantArgs(method="rtn", format="q4_0")).out
-    from edgerun.calib import pydoc_text
+    from edgerun.eval.texts import pydoc_text
     from edgerun.tokenizer import Tokenizer
     toks = Tokenizer.from_gguf(src_model).tokenize(pydoc_text()[200000:201500], special=False, add_bos=False)
     toks = toks[:256]

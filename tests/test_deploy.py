@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from edgerun import service
+from edgerun.serve import systemd as service
 from edgerun.cli import main, serve
-from edgerun.profile import detect, load_profile
+from edgerun.device.detect import detect
+from edgerun.device.profiles import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -79,6 +80,21 @@ def test_unit_passes_systemd_analyze_verify(tmp_path):
 
 def _env_names(text: str) -> list[str]:
     return re.findall(r"^#?(EDGERUN_[A-Z_]+)=", text, re.M)
+
+
+def test_env_file_is_rendered_from_the_one_settings_table():
+    from edgerun.serve.settings import render_env_file
+
+    assert (DEPLOY / "edgerun.env").read_text() == render_env_file()
+
+
+def test_every_server_config_field_is_a_serve_setting():
+    import dataclasses
+
+    from edgerun.serve.settings import SETTINGS, ServerConfig
+
+    fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"load_opts"}
+    assert {s.field or s.name for s in SETTINGS} == fields
 
 
 def test_env_file_documents_every_serve_option_and_only_those():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from edgerun.errors import InvalidArgument
-from edgerun.hw.cost import CostCurve
-from edgerun.spec.gamma import FixedGamma, GammaTuner
+from edgerun.device.cost import CostCurve
+from edgerun.spec.gamma import FixedGamma, GammaPolicy, GammaTuner, TunerSettings
 
 
 def curve(t1: float, r2: float, r4: float, r8: float, r16: float) -> tuple[float, ...]:
@@ -64,9 +64,24 @@ def test_fixed_gamma():
     assert p.choose() == 3
 
 
+def test_both_policies_are_gamma_policies():
+    assert isinstance(FixedGamma(3), GammaPolicy)
+    assert isinstance(GammaTuner(CostCurve((0.01, 0.02), 0.001), gamma_max=4), GammaPolicy)
+
+
+def test_tuner_settings_are_validated():
+    assert GammaTuner(CostCurve((0.01, 0.02), 0.001), gamma_max=4).settings == TunerSettings()
+    for bad in (dict(alpha_prior=1.0), dict(supply_prior=0.0), dict(decay=0.0), dict(hysteresis=-0.1),
+                dict(time_ema=0.0), dict(explore_budget=0.0), dict(warmup_cycles=-1), dict(warmup_gamma=0),
+                dict(explore_every=0), dict(explore_every=8, explore_max=4)):
+        with pytest.raises(InvalidArgument):
+            TunerSettings(**bad)
+
+
 def test_rate_formula_matches_brute_force_enumeration():
     tv, td = CASES["cpu-135m-lookup"]
-    t = GammaTuner(CostCurve(tv, td), gamma_max=8, decay=1.0, pool_strength=1e-9, prior_strength=1e-9)
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8,
+                   settings=TunerSettings(decay=1.0, pool_strength=1e-9, prior_strength=1e-9))
     # make the learned per-position estimates exactly alpha and supply by direct counts
     alpha, supply = 0.7, 0.8
     t._acc[:] = 1000 * alpha
@@ -84,7 +99,8 @@ def test_rate_formula_matches_brute_force_enumeration():
 def test_choice_matches_brute_force_optimum(case, alpha):
     tv, td = CASES[case]
     brute = np.array([exact_rate(g, alpha, tv, td) for g in range(9)])
-    t = GammaTuner(CostCurve(tv, td), gamma_max=8, hysteresis=0.0, explore_every=10 ** 6, explore_max=10 ** 6)
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8,
+                   settings=TunerSettings(hysteresis=0.0, explore_every=10 ** 6, explore_max=10 ** 6))
     feed(t, 8, alpha, tv, td, 400, rng=np.random.default_rng(1))      # learn acceptance at every position
     g = t.choose()
     # the choice is the optimum, or statistically indistinguishable from it (within 2% of its rate)
@@ -118,7 +134,7 @@ def test_steep_cpu_curve_turns_speculation_off_that_flat_curve_would_keep():
 
 def test_exploration_turns_speculation_back_on_when_text_changes():
     tv, td = CASES["cpu-135m-lookup"]
-    t = GammaTuner(CostCurve(tv, td), gamma_max=8, explore_every=8, explore_max=32)
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8, settings=TunerSettings(explore_every=8, explore_max=32))
     rng = np.random.default_rng(5)
     sim(t, 0.05, tv, td, 300, rng)            # chat-like text: nothing is accepted
     assert t.gamma == 0 and t.n_explored > 0
@@ -167,7 +183,7 @@ def test_wrong_prior_is_corrected_online():
 def test_lookup_misses_are_supply_not_rejections():
     # the drafter supplies a draft only 30% of the time, but what it supplies is always accepted
     tv, td = CASES["cpu-135m-lookup"]
-    t = GammaTuner(CostCurve(tv, td), gamma_max=8, decay=1.0)
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8, settings=TunerSettings(decay=1.0))
     rng = np.random.default_rng(4)
     for _ in range(400):
         t._last = 4
@@ -206,7 +222,7 @@ def test_auto_gamma_in_the_decode_loop_keeps_greedy_output(tiny_llama, tmp_path,
     from edgerun.backends.llamacpp import LlamaCppBackend
     from edgerun.config import BackendArgs, SamplingArgs, SpeculativeArgs
     from edgerun.generate import GenStats, generate
-    from edgerun.profile import load_profile
+    from edgerun.device.profiles import load_profile
     from edgerun.spec.drafters import ModelDrafter
 
     args = BackendArgs(n_ctx=256, n_threads=1)

@@ -6,7 +6,7 @@ import pytest
 from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs, SamplingArgs
 from edgerun.errors import ContextOverflow
-from edgerun.generate import GenStats, _TextReleaser, generate
+from edgerun.generate import GenStats, Step, _TextReleaser, generate
 
 GREEDY = SamplingArgs(temperature=0)
 
@@ -41,6 +41,16 @@ def test_releaser_holds_back_possible_stop_prefix():
     assert r2.push(5, *meta) == ([], False)
     steps, hit = r2.push(6, *meta)                              # "Ex": not a stop after all: released
     assert not hit and "".join(s.text for s in steps) == "Ex"
+
+
+def test_releaser_cuts_a_piece_before_the_stop_and_keeps_its_step():
+    pieces = {1: b"He", 2: b"yEN", 3: b"D"}
+    r = _TextReleaser(pieces.__getitem__, ["END"])
+    steps, hit = r.push(1, True, 2, 1, 0.5, 0.25)
+    assert not hit and steps == [Step(1, "He", True, 2, 1, 0.5, 0.25)]
+    assert r.push(2, False, 2, 1, 0.0, 0.0) == ([], False)     # "yEN" may begin "END": held back
+    steps, hit = r.push(3, False, 0, 0, 0.1, 0.2)
+    assert hit and steps == [Step(2, "y", False, 2, 1, 0.0, 0.0)]   # cut before the stop, metadata kept
 
 
 def test_releaser_splits_multibyte_utf8():

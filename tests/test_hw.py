@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from edgerun.errors import BackendError, InvalidArgument
-from edgerun.hw import bandwidth as B
-from edgerun.hw import kernels, store
-from edgerun.hw.cost import CostCurve
-from edgerun.hw.costprobe import cost_curve_for, measure_verify_curve, probe_costs
+from edgerun.device import bandwidth as B
+from edgerun.device import kernels
+from edgerun.device import probecache as store
+from edgerun.device.cost import CostCurve
+from edgerun.device.costprobe import cost_curve_for, measure_verify_curve, probe_costs
 
 MiB = 1024 ** 2
 
@@ -90,7 +91,7 @@ def tiny_target(tiny_llama):
 
 
 def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
-    from edgerun.hw import costprobe
+    from edgerun.device import costprobe
 
     monkeypatch.setattr(costprobe, "_busy", lambda: True)      # a busy machine's figures are not cached
     probe_costs(tiny_target, None, n_max=4, reps=1)
@@ -108,7 +109,7 @@ def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
 
 
 def test_unsteady_repetitions_are_not_trusted():
-    from edgerun.hw.costprobe import unsteady
+    from edgerun.device.costprobe import unsteady
 
     steady = np.array([[1.0, 2.0, 3.0], [1.1, 2.1, 2.9], [0.95, 2.2, 3.1]])
     assert not unsteady(steady) and not unsteady(steady[:1] * 9)
@@ -118,7 +119,7 @@ def test_unsteady_repetitions_are_not_trusted():
 
 
 def test_cost_probe_with_lookup_drafter(tiny_target):
-    from edgerun.profile import load_profile
+    from edgerun.device.profiles import load_profile
     from edgerun.spec.drafters import PromptLookupDrafter
 
     d = PromptLookupDrafter()

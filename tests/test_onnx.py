@@ -16,18 +16,19 @@ pytest.importorskip("onnx")
 
 import gguf  # noqa: E402
 
-from edgerun.backends import open_backend  # noqa: E402
-from edgerun.backends.llamacpp import LlamaCppBackend  # noqa: E402
-from edgerun.backends.onnxrt import OnnxBackend, new_ranges, parse_anon_ranges, select_providers  # noqa: E402
-from edgerun.backends.reference import ReferenceBackend  # noqa: E402
-from edgerun.config import BackendArgs, SamplingArgs  # noqa: E402
-from edgerun.errors import ContextOverflow, InvalidArgument, ModelFormatError, ModelNotFound  # noqa: E402
-from edgerun.generate import GenStats, generate  # noqa: E402
-from edgerun.onnx_export import (CONFIG_FILE, DATA_FILE, GENAI_CONFIG_FILE, GENAI_MODEL_FILE, MODEL_FILE,  # noqa: E402
-                                 TOKENIZER_FILE, NBits, export_onnx, nbits_dequantize, q8_0_to_nbits, read_config)
-from edgerun.spec.drafters import ModelDrafter  # noqa: E402
-from edgerun.spec.gamma import FixedGamma  # noqa: E402
-from edgerun.tokenizer import Tokenizer  # noqa: E402
+from edgerun.backends import open_backend# noqa: E402
+from edgerun.backends.llamacpp import LlamaCppBackend# noqa: E402
+from edgerun.backends.onnxrt import OnnxBackend, new_ranges, parse_anon_ranges, select_providers# noqa: E402
+from edgerun.backends.reference import ReferenceBackend# noqa: E402
+from edgerun.config import BackendArgs, SamplingArgs# noqa: E402
+from edgerun.errors import ContextOverflow, InvalidArgument, ModelFormatError, ModelNotFound# noqa: E402
+from edgerun.generate import GenStats, generate# noqa: E402
+from edgerun.onnx.layout import CONFIG_FILE, DATA_FILE, GENAI_CONFIG_FILE, GENAI_MODEL_FILE, MODEL_FILE, TOKENIZER_FILE, read_config
+from edgerun.onnx.weights import NBits, nbits_dequantize, q8_0_to_nbits
+from edgerun.onnx.export import export_onnx
+from edgerun.spec.drafters import ModelDrafter# noqa: E402
+from edgerun.spec.gamma import FixedGamma# noqa: E402
+from edgerun.tokenizer import Tokenizer# noqa: E402
 
 GREEDY = SamplingArgs(temperature=0)
 ARGS = BackendArgs(n_ctx=256, n_threads=2, n_batch=16)
@@ -74,7 +75,7 @@ def test_export_layout_and_lossless_weights(exports, arch, tied):
         assert (out / f).is_file(), f
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]   # no temp dirs left
     cfg = read_config(out)
-    assert cfg.architecture == arch and cfg.n_layer == 2 and cfg.n_head == 4 and cfg.n_head_kv == 2
+    assert cfg.model.arch == arch and cfg.model.n_layer == 2 and cfg.model.n_head == 4 and cfg.model.n_head_kv == 2
     assert cfg.rope_style == ("norm" if arch == "llama" else "neox")
     # every weight came over without loss: Q4_0 -> int4 (block linears, embedding and head of the tiny model)
     assert cfg.lossless and set(cfg.conversions.values()) == {"Q4_0->int4 (lossless)"}
@@ -109,7 +110,7 @@ def test_export_graph_uses_the_contrib_ops(exports):
 
 def test_export_requantizes_float_weights_and_says_so(tiny_model_factory, tmp_path, caplog):
     src = tiny_model_factory(arch="llama", wtype="f32")
-    with caplog.at_level(logging.WARNING, logger="edgerun.onnx_export"):
+    with caplog.at_level(logging.WARNING, logger="edgerun.onnx"):
         out = export_onnx(src, tmp_path / "e", n_ctx=64)
     cfg = read_config(out)
     assert not cfg.lossless
@@ -327,10 +328,11 @@ def test_missing_or_mismatched_config(exports, tmp_path):
 
     for key, value, msg in (("vocab_fingerprint", "0" * 64, "does not match"),
                             ("format_version", 99, "format_version"),
-                            ("n_head_kv", 3, "past_key_values.0.key has shape"),
+                            ("n_head_kv", 4, "past_key_values.0.key has shape"),
+                            ("n_head_kv", 3, "must be a multiple of n_head_kv"),
                             ("n_layer", 3, "lacks"),
                             ("surprise", 1, "unknown keys")):
-        d = _copy(out, tmp_path / f"bad_{key}")
+        d = _copy(out, tmp_path / f"bad_{key}_{value}")
         conf = json.loads((d / CONFIG_FILE).read_text())
         conf[key] = value
         (d / CONFIG_FILE).write_text(json.dumps(conf))

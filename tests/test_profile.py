@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from edgerun import profile as P
+from edgerun.device import detect as D
+from edgerun.device import memory as M
+from edgerun.device import profiles as P
+from edgerun.util.resources import data_dir
 from edgerun.config import BackendArgs
 from edgerun.errors import InvalidArgument, MemoryBudgetError, ProfileError
 
-SHIPPED = sorted(p.stem for p in (Path(P.__file__).parent / "data" / "device_profiles").glob("*.yaml"))
+SHIPPED = sorted(p.stem for p in data_dir("device_profiles").glob("*.yaml"))
 
 REQUIRED = {"jetson-orin-nano-8gb", "jetson-orin-nx-16gb", "jetson-agx-orin-64gb", "rpi5-8gb", "rpi4-8gb",
             "apple-m1", "apple-m2", "apple-m3", "apple-m4", "generic-x86_64-cpu", "generic-arm64-cpu"}
@@ -67,7 +70,7 @@ def test_unknown_key_names_key_and_file(tmp_path):
     f = _write(tmp_path, "mine.yaml", "name: mine\nllama:\n  n_thread: 4\n")
     with pytest.raises(ProfileError) as e:
         P.load_profile(str(f))
-    assert "llama.'n_thread'" in str(e.value) and str(f) in str(e.value) and "n_threads" in str(e.value)
+    assert "'llama.n_thread'" in str(e.value) and str(f) in str(e.value) and "n_threads" in str(e.value)
 
 
 def test_top_level_typo_and_wrong_type(tmp_path):
@@ -105,7 +108,7 @@ def test_user_dir_overrides_and_extends(tmp_path, monkeypatch):
     assert q.name == "my-board" and q.memory.budget_gib == 3 and q.match.machine == ("aarch64", "arm64")
     assert "my-board" in P.list_profiles()
     _write(user, "bad.yaml", "extends: rpi5-8gb\nllama:\n  nctx: 1\n")
-    with pytest.raises(ProfileError, match=r"bad\.yaml: unknown key llama\.'nctx'"):
+    with pytest.raises(ProfileError, match=r"bad\.yaml: unknown key 'llama\.nctx' \(did you mean 'n_ctx'\?\)"):
         P.load_profile("bad")
     with pytest.raises(ProfileError, match="unknown device profile 'nope'"):
         P.load_profile("nope")
@@ -155,7 +158,7 @@ def test_every_shipped_profile_has_a_detection_case():
 @pytest.mark.parametrize("name", sorted(BOARDS))
 def test_detect_linux_boards(tmp_path, name):
     root = _board(tmp_path / "root", **BOARDS[name])
-    prof, reason = P.detect(root, system="Linux", machine="aarch64")
+    prof, reason = D.detect(root, system="Linux", machine="aarch64")
     assert prof.name == name, reason
     assert "device tree" in reason
 
@@ -164,14 +167,14 @@ def test_detect_jetson_from_compatible_only(tmp_path):
     # no /etc/nv_tegra_release (e.g. a container without L4T files) and no model file
     root = _board(tmp_path / "r", compatible=["nvidia,p3768-0000+p3767-0000", "nvidia,p3767-0000", "nvidia,tegra234"],
                   mem_gib=15.3)
-    prof, reason = P.detect(root, system="Linux", machine="aarch64")
+    prof, reason = D.detect(root, system="Linux", machine="aarch64")
     assert prof.name == "jetson-orin-nx-16gb" and "tegra" in reason
 
 
 @pytest.mark.parametrize("name", sorted(APPLE))
 def test_detect_apple(tmp_path, name):
     values = {"machdep.cpu.brand_string": APPLE[name], "hw.memsize": str(16 * 1024 ** 3)}
-    prof, reason = P.detect(tmp_path, system="Darwin", machine="arm64", sysctl=values.get)
+    prof, reason = D.detect(tmp_path, system="Darwin", machine="arm64", sysctl=values.get)
     assert prof.name == name and APPLE[name] in reason
 
 
@@ -179,33 +182,33 @@ def test_detect_apple(tmp_path, name):
                                           ("arm64", "generic-arm64-cpu")])
 def test_detect_generic(tmp_path, machine, name):
     root = _board(tmp_path / "root", mem_gib=23.4)
-    prof, reason = P.detect(root, system="Linux", machine=machine)
+    prof, reason = D.detect(root, system="Linux", machine=machine)
     assert prof.name == name and "generic" in reason
 
 
 def test_detect_unknown_arm_board_and_intel_mac_are_generic(tmp_path):
     root = _board(tmp_path / "root", model="Pine64 RockPro64 v2.1", compatible=["pine64,rockpro64", "rockchip,rk3399"])
-    assert P.detect(root, system="Linux", machine="aarch64")[0].name == "generic-arm64-cpu"
+    assert D.detect(root, system="Linux", machine="aarch64")[0].name == "generic-arm64-cpu"
     intel = {"machdep.cpu.brand_string": "Intel(R) Core(TM) i7-8559U", "hw.memsize": str(16 * 1024 ** 3)}
-    assert P.detect(tmp_path, system="Darwin", machine="x86_64", sysctl=intel.get)[0].name == "generic-x86_64-cpu"
+    assert D.detect(tmp_path, system="Darwin", machine="x86_64", sysctl=intel.get)[0].name == "generic-x86_64-cpu"
 
 
 def test_memory_breaks_ties_and_is_reported(tmp_path):
     # a Pi 5 with 4 GB still gets the Pi 5 build flags, and the reason says memory is outside the range
     root = _board(tmp_path / "root", **{**BOARDS["rpi5-8gb"], "mem_gib": 3.9})
-    prof, reason = P.detect(root, system="Linux", machine="aarch64")
+    prof, reason = D.detect(root, system="Linux", machine="aarch64")
     assert prof.name == "rpi5-8gb" and "OUTSIDE" in reason
 
 
 def test_detect_no_match(tmp_path):
     with pytest.raises(ProfileError, match="no device profile matches"):
-        P.detect(tmp_path, system="Linux", machine="riscv64")
+        D.detect(tmp_path, system="Linux", machine="riscv64")
 
 
 def test_resolve(monkeypatch):
-    assert P.resolve("rpi4-8gb")[0].name == "rpi4-8gb"
+    assert D.resolve("rpi4-8gb")[0].name == "rpi4-8gb"
     monkeypatch.setenv("EDGERUN_PROFILE", "apple-m2")
-    prof, reason = P.resolve("auto")
+    prof, reason = D.resolve("auto")
     assert prof.name == "apple-m2" and "EDGERUN_PROFILE" in reason
 
 
@@ -213,16 +216,16 @@ def test_resolve(monkeypatch):
 
 def test_memory_fit_passes_and_refuses_with_numbers():
     p = P.load_profile("jetson-orin-nano-8gb")   # budget 5.5 GiB
-    P.check_memory_fit(p, target_bytes=1 * P.GiB, draft_bytes=500 * P.MiB, kv_bytes=200 * P.MiB,
+    M.check_memory_fit(p, target_bytes=1 * P.GiB, draft_bytes=500 * P.MiB, kv_bytes=200 * P.MiB,
                        available_bytes=7 * P.GiB)
     with pytest.raises(MemoryBudgetError) as e:
-        P.check_memory_fit(p, target_bytes=4 * P.GiB, draft_bytes=1 * P.GiB, kv_bytes=2 * P.GiB, n_ctx=8192,
+        M.check_memory_fit(p, target_bytes=4 * P.GiB, draft_bytes=1 * P.GiB, kv_bytes=2 * P.GiB, n_ctx=8192,
                            available_bytes=7 * P.GiB)
     msg = str(e.value)
     assert "4.00 GiB" in msg and "5.50 GiB" in msg and "--n-ctx" in msg and "--draft none" in msg
     # the memory available right now limits too, whatever the profile says
     with pytest.raises(MemoryBudgetError, match="available now"):
-        P.check_memory_fit(p, target_bytes=1 * P.GiB, available_bytes=1 * P.GiB)
+        M.check_memory_fit(p, target_bytes=1 * P.GiB, available_bytes=1 * P.GiB)
 
 
 # --- CLI --------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def test_missing_source(tmp_path):
 
 def test_eval_ppl_matches_reference(src, tmp_path):
     """PPL through llama.cpp equals the numpy reference's on the same windows (second half scored)."""
-    from edgerun.calib import pydoc_text
+    from edgerun.eval.texts import pydoc_text
     from edgerun.reference.llama import ReferenceModel
     from edgerun.tokenizer import Tokenizer
     text = pydoc_text()[:6000]
@@ -118,7 +118,7 @@ def test_paired_ratio():
     """Paired PPL ratio over windows: exact for a constant shift, an interval that covers a noisy one,
     and a clear error when the two results did not score the same windows."""
     from edgerun.errors import InvalidArgument
-    from edgerun.perplexity import paired_ratio
+    from edgerun.eval.perplexity import paired_ratio
     rng = np.random.default_rng(0)
     base = rng.uniform(2.0, 4.0, 16)                     # windows differ a lot in difficulty
     r, lo, hi = paired_ratio(base + 0.01, base)
@@ -135,7 +135,7 @@ def test_paired_ratio():
 
 def test_t_quantile_beyond_the_table():
     """More than 31 windows: the t quantile keeps shrinking towards 1.96, not jumping to it."""
-    from edgerun.perplexity import t975
+    from edgerun.eval.perplexity import t975
     exact = {1: 12.706, 10: 2.228, 30: 2.042, 31: 2.0395, 40: 2.0211, 47: 2.0117, 60: 2.0003, 120: 1.9799}
     for dof, t in exact.items():
         assert abs(t975(dof) - t) < 1e-3, (dof, t975(dof))
@@ -150,7 +150,7 @@ def test_eval_ppl_text_shorter_than_window(src, tmp_path):
 
 def test_eval_ppl_vs(src, tmp_path):
     """--vs scores a second model on the same windows and reports the paired PPL ratio."""
-    from edgerun.calib import pydoc_text
+    from edgerun.eval.texts import pydoc_text
     (tmp_path / "t.txt").write_text(pydoc_text()[:6000])
     q = tmp_path / "rtn.gguf"
     assert run("quantize", src, q, "--method", "rtn").exit_code == 0
@@ -174,7 +174,7 @@ def test_paired_comparison_refuses_different_tokens():
     import dataclasses
 
     from edgerun.errors import InvalidArgument
-    from edgerun.perplexity import PerplexityResult, compare
+    from edgerun.eval.perplexity import PerplexityResult, compare
     a = PerplexityResult(model="a.gguf", text="t", ctx=128, ppl=math.exp(2.0), nll=2.0, nll_stderr=0.1, n_windows=3,
                          n_scored=189, n_text_tokens=400, seconds=1.0, window_nll=(2.0, 2.1, 1.9), tokens_sha256="ab")
     b = dataclasses.replace(a, model="b.gguf", window_nll=(2.1, 2.2, 2.0))

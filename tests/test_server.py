@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from edgerun.metrics import GenerationRecord, Metrics
+from edgerun.serve.metrics import GenerationRecord, Metrics
 from edgerun.runtime import load
-from edgerun.server import ServerConfig
+from edgerun.serve.settings import ServerConfig
 from server_harness import (TINY_ARGS, GatedRuntime, InProcessServer, ServerProcess, clean_env, sse_events,
                             wait_until)
 

@@ -33,12 +33,12 @@ def model_memory(path: str | Path, n_ctx: int) -> tuple[int, int]:
         weights = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
         tok = p / "tokenizer.gguf"
         kv = 0
-        from ..ggufmeta import read_info
+        from ..formats.ggufscan import read_info
 
         if tok.exists():
             kv = read_info(tok).kv_cache_bytes(n_ctx, bytes_per_value=4)   # the ONNX backend keeps f32 K/V
         return weights, kv
-    from ..ggufmeta import read_info
+    from ..formats.ggufscan import read_info
 
     info = read_info(p)
     return info.file_size, info.kv_cache_bytes(n_ctx)

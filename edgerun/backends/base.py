@@ -54,3 +54,12 @@ def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) ->
     if bad:
         raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{backend.n_vocab - 1})")
     return toks, k
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share: the KV-cache positions a new context can keep."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

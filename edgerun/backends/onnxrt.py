@@ -1,4 +1,4 @@
-"""onnxruntime backend: runs a directory written by `edgerun export onnx` (edgerun/onnx_export.py).
+"""onnxruntime backend: runs a directory written by `edgerun export onnx` (edgerun/onnx/).
 
 The KV cache is one preallocated [1, n_head_kv, n_ctx, head_dim] buffer per layer and per K/V,
 bound as both `past_key_values.N.*` and `present.N.*` (GroupQueryAttention's shared-buffer mode):
@@ -30,8 +30,7 @@ import numpy as np
 from .base import check_eval
 from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument, ModelFormatError
-from ..onnx_export import (LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value,
-                           read_config)
+from ..onnx.layout import LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value, read_config
 from ..tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -111,9 +110,9 @@ class OnnxBackend:
                 f"{self.path}: the vocabulary of {cfg.tokenizer_file} (fingerprint "
                 f"{self.tokenizer.vocab_fingerprint[:12]}) does not match edgerun.json "
                 f"({cfg.vocab_fingerprint[:12]}); expected the files of one export -- re-export the model")
-        if self.tokenizer.n_vocab > cfg.n_vocab:
+        if self.tokenizer.n_vocab > cfg.model.n_vocab:
             raise ModelFormatError(f"{self.path}: the tokenizer has {self.tokenizer.n_vocab} tokens but the "
-                                   f"graph only {cfg.n_vocab} logits; expected tokenizer <= logits")
+                                   f"graph only {cfg.model.n_vocab} logits; expected tokenizer <= logits")
         self.n_threads = args.n_threads or default_threads()
         self.providers = self._open_session(ort, select_providers(args.providers))
         if self.providers[0] == CPU:
@@ -126,15 +125,15 @@ class OnnxBackend:
                      "(re-export with a larger --n-ctx for more)", args.n_ctx, cfg.n_ctx, self.path.name, cfg.n_ctx)
             self.n_ctx = cfg.n_ctx
         self.n_batch = max(1, min(args.n_batch, self.n_ctx))
-        self.n_vocab: int = cfg.n_vocab
+        self.n_vocab: int = cfg.model.n_vocab
         self.weight_bytes: int = cfg.weight_bytes
         self.tokens: list[int] = []
 
         # KV buffers, shared between past and present: [1, n_head_kv, n_ctx, head_dim] per layer and K/V
         device = _GPU_MEMORY.get(self.providers[0], "cpu")
-        shape = (1, cfg.n_head_kv, self.n_ctx, cfg.head_dim)
+        shape = (1, cfg.model.n_head_kv, self.n_ctx, cfg.model.head_dim)
         self._kv = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32), device, 0)
-                    for _ in range(2 * cfg.n_layer)]
+                    for _ in range(2 * cfg.model.n_layer)]
         self._io = self._sess.io_binding()
         # step inputs, preallocated: a step writes its values in place and binds them by pointer
         self._ids = np.zeros((1, self.n_batch), dtype=np.int64)     # [1, n_batch]: a chunk's token ids
@@ -149,7 +148,7 @@ class OnnxBackend:
         self._bound_n = 0                                           # length input_ids is bound with (0: none)
         if not self._rebind_all:
             self._io.bind_input(LOGITS_TO_KEEP, "cpu", 0, np.int64, (1,), self._keep_ptr)
-        for i in range(cfg.n_layer):
+        for i in range(cfg.model.n_layer):
             k, v = self._kv[2 * i], self._kv[2 * i + 1]
             self._io.bind_ortvalue_input(past_key(i), k)
             self._io.bind_ortvalue_input(past_value(i), v)
@@ -187,27 +186,27 @@ class OnnxBackend:
         cfg = self.config
         ins = {i.name: i for i in self._sess.get_inputs()}
         outs = {o.name: o for o in self._sess.get_outputs()}
-        want_in = ["input_ids", "attention_mask"] + [n for i in range(cfg.n_layer) for n in (past_key(i), past_value(i))]
-        want_out = ["logits"] + [n for i in range(cfg.n_layer) for n in (present_key(i), present_value(i))]
+        want_in = ["input_ids", "attention_mask"] + [n for i in range(cfg.model.n_layer) for n in (past_key(i), past_value(i))]
+        want_out = ["logits"] + [n for i in range(cfg.model.n_layer) for n in (present_key(i), present_value(i))]
         missing = [n for n in want_in if n not in ins] + [n for n in want_out if n not in outs]
         if missing:
             raise ModelFormatError(
                 f"{self.path / cfg.model_file} lacks {len(missing)} of the inputs/outputs edgerun.json implies "
                 f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); expected a decoder with "
                 f"input_ids, attention_mask, past_key_values.N.key/value and logits, present.N.key/value "
-                f"for N < {cfg.n_layer}")
+                f"for N < {cfg.model.n_layer}")
         overridable = {i.name for i in self._sess.get_overridable_initializers()}
         if LOGITS_TO_KEEP not in ins and LOGITS_TO_KEEP not in overridable:
             raise ModelFormatError(f"{self.path / cfg.model_file} has no {LOGITS_TO_KEEP} input; "
                                    f"re-export the model with this edgerun")
         shp = ins[past_key(0)].shape
-        if len(shp) != 4 or shp[1] != cfg.n_head_kv or shp[3] != cfg.head_dim:
+        if len(shp) != 4 or shp[1] != cfg.model.n_head_kv or shp[3] != cfg.model.head_dim:
             raise ModelFormatError(f"{self.path / cfg.model_file}: {past_key(0)} has shape {shp}, expected "
-                                   f"[batch, {cfg.n_head_kv}, past, {cfg.head_dim}] as edgerun.json says")
+                                   f"[batch, {cfg.model.n_head_kv}, past, {cfg.model.head_dim}] as edgerun.json says")
         v = outs["logits"].shape[-1]
-        if isinstance(v, int) and v != cfg.n_vocab:
+        if isinstance(v, int) and v != cfg.model.n_vocab:
             raise ModelFormatError(f"{self.path / cfg.model_file}: logits have {v} entries, edgerun.json "
-                                   f"says n_vocab {cfg.n_vocab}; re-export the model")
+                                   f"says n_vocab {cfg.model.n_vocab}; re-export the model")
 
     # -- Backend protocol ---------------------------------------------------------------------------
     @property

@@ -2,7 +2,7 @@
 
 Streaming: the source is read one block at a time (dequantized on demand), calibration
 activations of one block are held at once, and each block's packed tensors are written to the
-output file as soon as they are ready. The file appears only when complete (gguf_io.write_gguf).
+output file as soon as they are ready. The file appears only when complete (formats.gguf.write_gguf).
 
 Per block, for each scale group (in reverse order, so that a group whose 1/s is folded into a
 linear of an earlier group is decided before that linear is quantized; by default only the groups
@@ -28,11 +28,13 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
-from ..arch import ModelConfig
-from ..calib import load_text, token_sequences, tokens_sha256
+from ..formats.arch import ModelConfig
+from ..eval.texts import load_text, token_sequences, tokens_sha256
 from ..config import QuantArgs
 from ..errors import InvalidArgument, QuantizationError
-from ..gguf_io import KV, GGUFSource, HFSource, TensorPlan, hparam_kv, open_source, source_kv, write_gguf
+from ..formats.gguf import KV, GGUFSource, TensorPlan, hparam_kv, source_kv, write_gguf
+from ..formats.hf import HFSource
+from ..formats import open_source
 from ..reference.llama import block_forward
 from . import awq
 from . import formats as F
@@ -239,7 +241,7 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
         raise QuantizationError(f"target format {args.format!r} is not supported; expected one of {sorted(FILE_TYPE)}")
     spec = os.fspath(source)
     if not Path(spec).exists():
-        from ..registry import resolve_model
+        from ..registry.cache import resolve_model
         spec = os.fspath(resolve_model(spec, pull=pull))
     src = open_source(spec)
     cfg = src.cfg

@@ -1,7 +1,7 @@
 """Numpy forward of llama-like decoders (llama, qwen2): the correctness oracle and the AWQ calibrator.
 
 Weights are a dict of GGUF-named arrays in GGUF layout (linear weights [out, in]; llama Q/K rows
-permuted as llama.cpp stores them), driven by the tables of `edgerun.arch`. The computation is
+permuted as llama.cpp stores them), driven by the tables of `edgerun.formats.arch`. The computation is
 deterministic: same weights, same tokens, same dtype -> the same bits.
 
 Stable API (other modules and the reference backend build on it):
@@ -26,7 +26,7 @@ from typing import Mapping, MutableMapping, Sequence
 
 import numpy as np
 
-from ..arch import ModelConfig
+from ..formats.arch import ModelConfig
 from ..errors import InvalidArgument
 
 
@@ -171,7 +171,7 @@ class ReferenceModel:
 
     @classmethod
     def from_gguf(cls, path: str | Path, dtype=np.float64) -> "ReferenceModel":
-        from ..gguf_io import GGUFSource
+        from ..formats.gguf import GGUFSource
         src = GGUFSource(path)
         return cls(src.cfg, {n: src.tensor(n) for n in src.tensor_names()}, dtype)
 

@@ -21,7 +21,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backends.base import Backend, common_prefix
 from ..config import BackendArgs, SamplingArgs, SpeculativeArgs
 from ..errors import InvalidArgument, VocabMismatch
 from .sampling import probs, sample
@@ -151,11 +151,7 @@ class ModelDrafter:
         if gamma <= 0 or not ctx:
             return [], None
         # roll back to the common prefix; the last context token is always (re)evaluated for its logits
-        keep = 0
-        cached = be.tokens
-        n = min(len(cached), len(ctx) - 1)
-        while keep < n and cached[keep] == ctx[keep]:
-            keep += 1
+        keep = common_prefix(be.tokens, ctx[:-1])
         be.truncate(keep)
         logits = be.eval(ctx[keep:], n_logits=1)[-1]        # [V_d]
         tokens: list[int] = []
@@ -280,7 +276,7 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
     if spec == "lookup":
         return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
     from ..backends import open_backend
-    from ..registry import resolve_model
+    from ..registry.cache import resolve_model
 
     path = Path(resolve_model(spec, pull=pull))
     backend = open_backend(path, backend_args or BackendArgs())

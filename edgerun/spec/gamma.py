@@ -1,4 +1,4 @@
-"""Draft-length policies. The decode loop asks `choose(hint)` before each cycle and reports with `observe()`.
+"""Draft-length policies (GammaPolicy). The decode loop asks `choose(hint)` before each cycle, then `observe()`s it.
 
 FixedGamma always drafts the same number of tokens. GammaTuner picks, every cycle, the gamma in
 0..gamma_max that maximises predicted tokens per second:
@@ -33,13 +33,28 @@ oscillate between near-equal choices.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ..errors import InvalidArgument
-from ..hw.cost import CostCurve
+from ..device.cost import CostCurve
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class GammaPolicy(Protocol):
+    """What the decode loop needs from a draft-length policy."""
+
+    def choose(self, hint: int | None = 0) -> int:
+        """gamma for the next cycle; hint is the drafter's class for the context (None: 0, nothing to draft)."""
+        ...
+
+    def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
+        """The cycle's outcome: gamma tokens drafted, n_accepted of them accepted, and its times."""
+        ...
 
 
 class FixedGamma:
@@ -55,44 +70,57 @@ class FixedGamma:
         pass
 
 
+@dataclass(frozen=True)
+class TunerSettings:
+    """The GammaTuner's rarely set knobs (the module docstring says what each one steers)."""
+
+    alpha_prior: float = 0.6        # prior P(a drafted position is accepted)
+    prior_strength: float = 1.0     # pseudo-counts of that prior behind the mean of all classes
+    class_strength: float = 4.0     # pseudo-counts pulling a class's pooled mean towards all classes'
+    pool_strength: float = 4.0      # pseudo-counts pulling a position's estimate towards its class's mean
+    supply_prior: float = 0.95      # prior P(the drafter supplies a position it is asked for)
+    decay: float = 0.98             # count decay per cycle of a class (1.0: never forget)
+    hysteresis: float = 0.03        # relative predicted gain a switch of gamma needs
+    explore_every: int = 16         # cycles between explorations while speculation is on, at first...
+    explore_max: int = 256          # ... doubling up to this while the choice stands
+    explore_budget: float = 0.01    # share of decode time losing exploratory drafts may cost while off
+    warmup_cycles: int = 2          # drafting cycles per class whatever the prior says
+    time_ema: float = 0.2           # EMA weight of an observed time (load, draft ratio, miss cost)
+    shape_rate: float = 0.05        # least learning rate of the curve's per-n shape correction
+    thompson: bool = True           # draw the class's pooled acceptance from its posterior each cycle
+    warmup_gamma: int = 2           # gamma of the warm-up cycles (at most gamma_max)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha_prior < 1 or not 0 < self.supply_prior <= 1:
+            raise InvalidArgument(f"alpha_prior must be in (0, 1) and supply_prior in (0, 1], "
+                                  f"got {self.alpha_prior}, {self.supply_prior}")
+        if not 0 < self.decay <= 1 or self.hysteresis < 0 or not 0 < self.time_ema <= 1:
+            raise InvalidArgument(f"need 0 < decay <= 1, hysteresis >= 0, 0 < time_ema <= 1; "
+                                  f"got {self.decay}, {self.hysteresis}, {self.time_ema}")
+        if not 0 < self.explore_budget <= 1:
+            raise InvalidArgument(f"explore_budget must be in (0, 1], got {self.explore_budget}")
+        if self.warmup_cycles < 0 or self.warmup_gamma < 1:
+            raise InvalidArgument(f"need warmup_cycles >= 0 and warmup_gamma >= 1, "
+                                  f"got {self.warmup_cycles}, {self.warmup_gamma}")
+        if self.explore_every < 1 or self.explore_max < self.explore_every:
+            raise InvalidArgument(f"need 1 <= explore_every <= explore_max, "
+                                  f"got {self.explore_every}, {self.explore_max}")
+
+
 class GammaTuner:
     """Cost model + online acceptance per drafter hint class -> gamma per cycle (module docstring)."""
 
-    def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, alpha_prior: float = 0.6,
-                 prior_strength: float = 1.0, class_strength: float = 4.0, pool_strength: float = 4.0,
-                 supply_prior: float = 0.95, decay: float = 0.98, hysteresis: float = 0.03,
-                 explore_every: int = 16, explore_max: int = 256, explore_budget: float = 0.01,
-                 warmup_cycles: int = 2, time_ema: float = 0.2, shape_rate: float = 0.05,
-                 thompson: bool = True, seed: int = 0, warmup_gamma: int = 2) -> None:
+    def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, seed: int = 0,
+                 settings: TunerSettings = TunerSettings()) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
             raise InvalidArgument(f"n_classes must be an integer in 1..64, got {n_classes!r}")
-        if not 0 < alpha_prior < 1 or not 0 < supply_prior <= 1:
-            raise InvalidArgument(f"alpha_prior must be in (0, 1) and supply_prior in (0, 1], "
-                                  f"got {alpha_prior}, {supply_prior}")
-        if not 0 < decay <= 1 or hysteresis < 0 or not 0 < time_ema <= 1:
-            raise InvalidArgument(f"need 0 < decay <= 1, hysteresis >= 0, 0 < time_ema <= 1; "
-                                  f"got {decay}, {hysteresis}, {time_ema}")
-        if not 0 < explore_budget <= 1:
-            raise InvalidArgument(f"explore_budget must be in (0, 1], got {explore_budget}")
-        if warmup_cycles < 0 or warmup_gamma < 1:
-            raise InvalidArgument(f"need warmup_cycles >= 0 and warmup_gamma >= 1, got {warmup_cycles}, {warmup_gamma}")
-        if explore_every < 1 or explore_max < explore_every:
-            raise InvalidArgument(f"need 1 <= explore_every <= explore_max, got {explore_every}, {explore_max}")
         self.cost = cost
         self.gamma_max = gamma_max
         self.n_classes = n_classes
-        self.alpha_prior, self.prior_strength, self.pool_strength = alpha_prior, prior_strength, pool_strength
-        self.class_strength = class_strength
-        self.supply_prior = supply_prior
-        self.decay, self.hysteresis, self.time_ema = decay, hysteresis, time_ema
-        self.explore_every, self.explore_max = explore_every, explore_max
-        self.warmup_cycles = warmup_cycles
-        self.explore_budget = explore_budget
-        self.shape_rate = shape_rate
-        self.thompson = thompson
-        self.warmup_gamma = min(warmup_gamma, gamma_max)
+        self.settings = settings
+        self.warmup_gamma = min(settings.warmup_gamma, gamma_max)
         self._rng = np.random.default_rng(seed)
         C, G = n_classes, gamma_max
         # decayed counts per hint class and drafted position i = 1..G (index [class, i - 1])
@@ -115,7 +143,7 @@ class GammaTuner:
         self._current = np.full(C, g0)
         self._since_explore = np.zeros(C, dtype=np.int64)
         self._n_drafting = np.zeros(C, dtype=np.int64)
-        self._explore_interval = np.full(C, explore_every)
+        self._explore_interval = np.full(C, settings.explore_every)
         self._hint = 0                          # class of the cycle being run (None: nothing to draft)
         self._last = g0
         self._explore_turn = 0
@@ -128,7 +156,7 @@ class GammaTuner:
     def for_runtime(cls, profile, target, drafter, spec, *, measure: bool = True) -> "GammaTuner":
         """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured),
         one acceptance model per hint class the drafter reports."""
-        from ..hw.costprobe import cost_curve_for
+        from ..device.costprobe import cost_curve_for
 
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
         curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=gmax + 1)
@@ -141,24 +169,25 @@ class GammaTuner:
         which is shrunk towards the pooled mean of all classes (itself shrunk towards the prior).
         With rng, the class's pooled mean is drawn from its Beta posterior instead (Thompson
         sampling: a class seen little is sometimes drafted optimistically, and so gets learned)."""
-        pooled = (mean0 * self.prior_strength + hits.sum()) / (self.prior_strength + trials.sum())
+        st = self.settings
+        pooled = (mean0 * st.prior_strength + hits.sum()) / (st.prior_strength + trials.sum())
         if self.n_classes > 1 or rng is not None:
             h, n = hits[c].sum(), trials[c].sum()
-            cs = self.class_strength
+            cs = st.class_strength
             if rng is None:
                 pooled = (h + cs * pooled) / (n + cs)
             else:
                 pooled = rng.beta(h + cs * pooled, max(n - h, 0.0) + cs * (1.0 - pooled))
-        return (hits[c] + self.pool_strength * pooled) / (trials[c] + self.pool_strength)
+        return (hits[c] + st.pool_strength * pooled) / (trials[c] + st.pool_strength)
 
     def acceptance(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
         """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted), for a hint class
         (posterior mean, or a posterior draw with rng)."""
-        return self._shrunk(self._acc, self._seen, self.alpha_prior, hint, rng)
+        return self._shrunk(self._acc, self._seen, self.settings.alpha_prior, hint, rng)
 
     def supply(self, hint: int = 0) -> np.ndarray:
         """s_i: P(drafter supplies position i | asked for it and supplied i - 1), for a hint class."""
-        return np.minimum(self._shrunk(self._got, self._asked, self.supply_prior, hint), 1.0)
+        return np.minimum(self._shrunk(self._got, self._asked, self.settings.supply_prior, hint), 1.0)
 
     def t_verify(self, n: int) -> float:
         """T_verify(n) = curve(n) x load x shape(n): `load` follows the machine's current speed fast
@@ -213,23 +242,23 @@ class GammaTuner:
             raise InvalidArgument(f"hint class must be >= 0 or None, got {hint!r}")
         c = min(hint, self.n_classes - 1)      # a tuner with fewer classes pools the upper ones
         self._hint = c
-        rates = self.rates(c, self._rng if self.thompson else None)
+        rates = self.rates(c, self._rng if self.settings.thompson else None)
         best = int(np.argmax(rates))
         cur = int(self._current[c])
-        if best != cur and rates[best] > rates[cur] * (1.0 + self.hysteresis):
+        if best != cur and rates[best] > rates[cur] * (1.0 + self.settings.hysteresis):
             log.debug("class %d: gamma %d -> %d (predicted %.1f -> %.1f tok/s)", c, cur, best, rates[cur], rates[best])
             self._current[c] = cur = best
-            self._explore_interval[c] = self.explore_every
+            self._explore_interval[c] = self.settings.explore_every
             self._since_explore[c] = 0
         g = cur
         self._since_explore[c] += 1
         if g == 0 and not self._could_win():
             pass              # even perfect acceptance would not beat plain decoding: never draft
-        elif g == 0 and self._n_drafting[c] < self.warmup_cycles:
+        elif g == 0 and self._n_drafting[c] < self.settings.warmup_cycles:
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
             g = self.warmup_gamma
-        elif g == 0 and self._since_explore[c] >= max(self.explore_every, self._off_gap()):
+        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap()):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
             # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle)
             self._since_explore[c] = 0
@@ -240,7 +269,7 @@ class GammaTuner:
             # speculation is on: plain or a neighbouring gamma, ever rarer while the choice stands,
             # keeps T_verify honest there
             self._since_explore[c] = 0
-            self._explore_interval[c] = min(2 * self._explore_interval[c], self.explore_max)
+            self._explore_interval[c] = min(2 * self._explore_interval[c], self.settings.explore_max)
             self.n_explored += 1
             cands = [x for x in (0, g + 1, g - 1) if 0 <= x <= self.gamma_max and x != g]
             g = cands[self._explore_turn % len(cands)]
@@ -255,12 +284,12 @@ class GammaTuner:
         c = self._hint
         asked = min(max(self._last, gamma), self.gamma_max)
         m = min(gamma, self.gamma_max)
-        k = self.time_ema
+        k = self.settings.time_ema
         if c is not None:
             # per cycle of this class, drafted or not, so old text weighs less and less; slower while
             # speculation is off, so the sparse exploratory cycles add up to an estimate instead of
             # fading into the prior
-            d = self.decay if self._current[c] > 0 else self.decay ** 0.25
+            d = self.settings.decay if self._current[c] > 0 else self.settings.decay ** 0.25
             for arr in (self._acc, self._seen, self._asked, self._got):
                 arr[c] *= d
             if self._exploring and m == 0 and asked > 0:
@@ -296,7 +325,7 @@ class GammaTuner:
                 expect = self._load * self._shape[n]
                 r = float(np.clip(r, expect / 2, expect * 2))
                 self._load += k * (r / self._shape[n] - self._load)
-                self._shape[n] += max(self.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
+                self._shape[n] += max(self.settings.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
             self._shape_n[n] = cnt + 1
         if m > 0 and self.cost.t_draft > 0:
             r = float(np.clip(t_draft / (m * self.cost.t_draft), self._td_ratio / 2, self._td_ratio * 2))
@@ -309,7 +338,7 @@ class GammaTuner:
         explore_budget of the decode time: (T_draft + T_verify(2) - T_verify(1)) / (budget x T_verify(1))."""
         tv = self._tv_table()
         loss = max(self.t_draft() + tv[1] - tv[0], 0.0)
-        return loss / (self.explore_budget * tv[0])
+        return loss / (self.settings.explore_budget * tv[0])
 
     def _could_win(self) -> bool:
         """Whether some gamma beats plain decoding by the hysteresis margin if every draft were accepted."""
@@ -317,7 +346,7 @@ class GammaTuner:
         tv = self._tv_table()                                           # tv [G + 1]
         g = np.arange(1, G + 1)
         best = ((g + 1.0) / (g * self.t_draft() + tv[1:])).max()       # all g drafted and accepted
-        return bool(best > (1.0 + self.hysteresis) / tv[0])
+        return bool(best > (1.0 + self.settings.hysteresis) / tv[0])
 
     @property
     def gamma(self) -> int:

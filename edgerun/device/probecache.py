@@ -11,11 +11,12 @@ import json
 import logging
 import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from ..util import atomic
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +60,7 @@ def key_of(*parts: Any) -> str:
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.write_json(path, data, sort_keys=True)
 
 
 def read_json(path: Path) -> Any | None:

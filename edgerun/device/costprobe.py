@@ -16,7 +16,7 @@ import numpy as np
 from ..config import SamplingArgs
 from ..errors import EdgerunError
 from .cost import N_MAX, CostCurve
-from .store import atomic_write_json, device_identity, file_sha256, key_of, probes_dir, read_json
+from .probecache import atomic_write_json, device_identity, file_sha256, key_of, probes_dir, read_json
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def cost_curve_for(target, drafter, profile, *, measure: bool = True, n_max: int
 
     bw = cached_bandwidth(profile.priors.compute if profile is not None else "cpu") if profile is not None else None
     if profile is None:
-        from ..profile import detect
+        from .detect import detect
         profile = detect()[0]
     return roofline_for(target, drafter, profile, bandwidth_gbs=bw.best_gbs if bw else None)
 

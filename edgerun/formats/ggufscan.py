@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ModelFormatError, ModelNotFound
+from ..errors import ModelFormatError, ModelNotFound
 
 # GGUF value types -> struct format of a scalar (8 = string, 9 = array)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

@@ -1,6 +1,6 @@
 """Native probe kernels: compiled at run time with the system compiler, cached by source hash.
 
-The sources ship inside the package (edgerun/data/kernels/) so any install can build them. A
+The sources are the top-level kernels/ folder (shipped inside the wheel) so any install can build them. A
 missing compiler is not an error: callers fall back to numpy (see bandwidth.py).
 """
 
@@ -11,17 +11,17 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
-from importlib import resources
 from pathlib import Path
 
-from .store import home
+from ..util.atomic import atomic_path
+from ..util.resources import data_dir
+from .probecache import home
 
 log = logging.getLogger(__name__)
 
 
 def source(name: str) -> Path:
-    return Path(str(resources.files("edgerun") / "data" / "kernels" / name))
+    return data_dir("kernels") / name
 
 
 def kernels_dir() -> Path:
@@ -48,24 +48,21 @@ def _build(src: Path, out_name: str, compiler: str, flags: list[str]) -> Path | 
     out = kernels_dir() / digest / out_name
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out_name}.", suffix=".tmp")
-    os.close(fd)
-    cmd = [compiler, *flags, str(src), "-o", tmp]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-        if res.returncode != 0:
-            log.warning("compiling %s failed (%s): %s", src.name, " ".join(cmd), res.stderr.strip()[-2000:])
-            return None
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-        log.info("built %s -> %s", src.name, out)
-        return out
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("compiling %s failed: %s", src.name, e)
+        with atomic_path(out, suffix=".tmp", mode=0o755) as tmp:
+            cmd = [compiler, *flags, str(src), "-o", str(tmp)]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+            if res.returncode != 0:
+                raise _CompileFailed(f"({' '.join(cmd)}): {res.stderr.strip()[-2000:]}")
+    except (OSError, subprocess.SubprocessError, _CompileFailed) as e:
+        log.warning("compiling %s failed %s", src.name, e)
         return None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    log.info("built %s -> %s", src.name, out)
+    return out
+
+
+class _CompileFailed(Exception):
+    """The compiler exited non-zero (caught in _build: a probe falls back to numpy)."""
 
 
 def build_stream_c() -> Path | None:

@@ -1,7 +1,7 @@
 """Memory-bandwidth probe: STREAM-like copy (c = b) and triad (a = b + s*c), multi-threaded.
 
 Arrays are much larger than the last-level cache, so the figures are DRAM bandwidth. The native C
-kernel (edgerun/data/kernels/stream.c, compiled on first use) is preferred; numpy is the fallback
+kernel (kernels/stream.c, compiled on first use) is preferred; numpy is the fallback
 and also the independent cross-check: a threaded numpy copy of the same size measured in the same
 run. Bytes are counted as STREAM counts them: copy 2 x 8 B, triad 3 x 8 B per element (write-
 allocate traffic is not counted). On CUDA / Metal devices the GPU variants measure device memory.
@@ -23,7 +23,7 @@ import psutil
 
 from ..errors import BackendError, InvalidArgument
 from . import kernels
-from .store import atomic_write_json, device_identity, key_of, probes_dir, read_json
+from .probecache import atomic_write_json, device_identity, key_of, probes_dir, read_json
 
 log = logging.getLogger(__name__)
 

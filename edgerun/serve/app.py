@@ -1,10 +1,10 @@
-"""OpenAI-compatible HTTP server used by `edgerun serve` (FastAPI + uvicorn).
+"""The ASGI application: routes, server-sent events, the API-key gate, the watchdog ping.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both with `stream: true` as
 server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health (200 only once the
 models are loaded), GET /metrics (Prometheus text).
 
-Generation runs on one worker thread fed by a bounded FIFO queue (edgerun.scheduler). The socket
+Generation runs on one worker thread fed by a bounded FIFO queue (edgerun.serve.scheduler). The socket
 is bound first and the models load in the background, so /health answers 503 meanwhile; systemd
 hears READY=1 once they are loaded. A client that disconnects cancels its generation; every
 request has a server-side time limit; SIGTERM drains (no new work, the running stream gets a grace
@@ -16,279 +16,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
-import math
-import re
 import secrets
-import signal
-import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterator, Callable
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .errors import ContextOverflow, EdgerunError, InvalidArgument, ModelNotFound
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
 from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
-from . import service
+from . import systemd as service
+from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, content_text, error_from_result, max_tokens_from,
+                       reject_unsupported, sampling_from, sse_data, stop_from, usage, validate)
+from .settings import ServerConfig
+
 
 log = logging.getLogger(__name__)
-
-MiB = 1024 * 1024
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """What `edgerun serve` was asked to run. Every field has an EDGERUN_* twin in the CLI."""
-
-    model: str = "smollm2-135m-instruct"
-    draft: str | None = "auto"
-    profile: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    api_key: str | None = None
-    queue: int = 8                       # requests allowed to wait behind the running one
-    timeout_s: float = 300.0             # per-request limit: queue wait + generation
-    max_body_bytes: int = 1 * MiB
-    shutdown_grace_s: float = 10.0       # SIGTERM: how long the running generation may continue
-    n_ctx: int | None = None
-    n_threads: int | None = None
-    gamma: int | str | None = None       # None/'auto': the tuner decides
-    pull: bool = True                    # pull a registry model that is not cached yet
-    load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
-        if not isinstance(self.queue, int) or self.queue < 0:
-            raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
-        if not self.timeout_s > 0:
-            raise InvalidArgument(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
-            raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
-        if not self.shutdown_grace_s >= 0:
-            raise InvalidArgument(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s!r}")
-        if self.api_key is not None and not self.api_key:
-            raise InvalidArgument("api_key must not be empty (leave it unset to disable authentication)")
-
-
-# --- errors --------------------------------------------------------------------------------------
-
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON. Raised inside request handling only."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-_FAILED = ("error", "shutdown", "cancelled")     # job outcomes that are answered with an error
-
-
-def _error_from_result(res: JobResult, timeout_s: float, chat: bool) -> APIError:
-    """The HTTP error for a job that produced nothing usable."""
-    if res.outcome == "error":
-        exc = res.error
-        if isinstance(exc, ContextOverflow):
-            return APIError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded")
-        if isinstance(exc, InvalidArgument):
-            return APIError(400, str(exc), code="invalid_value")
-        if isinstance(exc, EdgerunError):
-            return APIError(500, str(exc), type="server_error", code=type(exc).__name__)
-        return APIError(500, "internal error during generation (logged on the server)", type="server_error",
-                        code="internal_error")
-    if res.outcome == "shutdown":
-        return APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                        headers={"Retry-After": "5"})
-    if res.outcome == "timeout":
-        return APIError(503, f"the request waited its whole time limit ({timeout_s:g} s) in the queue",
-                        type="server_error", code="queue_timeout", headers={"Retry-After": "5"})
-    return APIError(499, "the client closed the request", code="cancelled")
-
-
-# --- request bodies ------------------------------------------------------------------------------
-
-class _Strict(BaseModel):
-    """Strict types (no '1' for 1), unknown fields ignored as OpenAI clients send extras."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class Common(_Strict):
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None              # llama.cpp-server extensions, honoured when given
-    min_p: float | None = None
-    repeat_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
-    user: str | None = None
-    # accepted only at their no-op values (checked in _reject_unsupported)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: Any = None
-    logit_bias: Any = None
-
-
-class ChatRequest(Common):
-    messages: list[Message]
-    max_completion_tokens: int | None = None
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    response_format: Any = None
-
-
-class CompletionRequest(Common):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-\w+|.*\[.*\]|[A-Z]\w*)$")
-
-
-def _param_of(loc: tuple) -> str:
-    parts = [str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p))]
-    return ".".join(parts)
-
-
-def _validate(model_cls, data: Any):
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = _param_of(tuple(err.get("loc", ())))
-        where = f" at '{param}'" if param else ""
-        raise APIError(422, f"invalid request body{where}: {err.get('msg', 'wrong type')}"
-                            f" (got {_short(err.get('input'))})", param=param or None, code="invalid_type") from None
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _reject_unsupported(req) -> None:
-    def no(param: str, why: str) -> APIError:
-        return APIError(400, f"'{param}' {why} is not supported by edgerun", param=param, code="unsupported_parameter")
-
-    if req.n not in (None, 1):
-        raise no("n", f"= {req.n} (one choice per request)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(req, name)
-        if v not in (None, 0, 0.0):
-            raise no(name, "other than 0 (use repeat_penalty)")
-    if req.logprobs not in (None, False, 0):
-        raise no("logprobs", "")
-    if req.logit_bias not in (None, {}):
-        raise no("logit_bias", "")
-    for name in ("top_logprobs", "tools", "tool_choice", "functions"):
-        if getattr(req, name, None) not in (None, [], 0, "none"):
-            raise no(name, "")
-    rf = getattr(req, "response_format", None)
-    if rf not in (None, {"type": "text"}):
-        raise no("response_format", "other than {'type': 'text'}")
-    if getattr(req, "echo", False):
-        raise no("echo", "= true")
-    if getattr(req, "suffix", None):
-        raise no("suffix", "")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise no("best_of", "other than 1")
-
-
-def _sampling_from(req) -> dict:
-    """The sampling options a request set explicitly (the rest keep the runtime's defaults)."""
-    def bad(param: str, expected: str, value) -> APIError:
-        return APIError(400, f"'{param}' must be {expected}, got {value!r}", param=param, code="invalid_value")
-
-    out: dict = {}
-    t = req.temperature
-    if t is not None:
-        if not (math.isfinite(t) and 0 <= t <= 100):
-            raise bad("temperature", "a number in [0, 100] (0 = greedy)", t)
-        out["temperature"] = float(t)
-    if req.top_p is not None:
-        if not 0 < req.top_p <= 1:
-            raise bad("top_p", "in (0, 1]", req.top_p)
-        out["top_p"] = float(req.top_p)
-    if req.top_k is not None:
-        if req.top_k < 0:
-            raise bad("top_k", "an integer >= 0 (0 disables it)", req.top_k)
-        out["top_k"] = req.top_k
-    if req.min_p is not None:
-        if not 0 <= req.min_p < 1:
-            raise bad("min_p", "in [0, 1)", req.min_p)
-        out["min_p"] = float(req.min_p)
-    if req.repeat_penalty is not None:
-        if not (math.isfinite(req.repeat_penalty) and req.repeat_penalty > 0):
-            raise bad("repeat_penalty", "a number > 0 (1 disables it)", req.repeat_penalty)
-        out["repeat_penalty"] = float(req.repeat_penalty)
-    if req.seed is not None:
-        out["seed"] = req.seed & (2 ** 64 - 1)      # OpenAI seeds are int64; numpy wants >= 0
-    return out
-
-
-def _stop_from(req) -> tuple[str, ...]:
-    stop = req.stop
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
-                       param="stop", code="invalid_value")
-    for s in stops:
-        if len(s) > MAX_STOP_CHARS:
-            raise APIError(400, f"each 'stop' string may be at most {MAX_STOP_CHARS} characters",
-                           param="stop", code="invalid_value")
-    return tuple(s for s in stops if s)
-
-
-def _max_tokens_from(value: int | None, param: str) -> int | None:
-    if value is None:
-        return None
-    if value < 1:
-        raise APIError(400, f"'{param}' must be an integer >= 1, got {value}", param=param, code="invalid_value")
-    return value
 
 
 # --- the application -----------------------------------------------------------------------------
@@ -351,7 +100,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                request_exit: Callable[[], None] | None = None):
     """The ASGI app. `load` returns a Runtime (default: edgerun.runtime.load with the config's options);
     `request_exit` stops the HTTP server (called when loading fails)."""
-    load = load or _default_loader(config)
+    load = load or default_loader(config)
     state = _State(config, load, request_exit or (lambda: None))
 
     @contextlib.asynccontextmanager
@@ -423,27 +172,27 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     # -- generation --------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = _validate(ChatRequest, await _read_json(request, config.max_body_bytes))
+        req = validate(ChatRequest, await _read_json(request, config.max_body_bytes))
         _require_ready(state)
         state.check_model(req.model)
-        _reject_unsupported(req)
+        reject_unsupported(req)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m.content)}
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content)}
                     for m in req.messages]
-        mt = _max_tokens_from(req.max_tokens, "max_tokens")
+        mt = max_tokens_from(req.max_tokens, "max_tokens")
         if req.max_completion_tokens is not None:
-            mt = _max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
-        job = Job(messages=messages, max_tokens=mt, stop=_stop_from(req), sampling=_sampling_from(req),
+            mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
+        job = Job(messages=messages, max_tokens=mt, stop=stop_from(req), sampling=sampling_from(req),
                   timeout_s=config.timeout_s)
         return await _respond(state, request, req, job, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = _validate(CompletionRequest, await _read_json(request, config.max_body_bytes))
+        req = validate(CompletionRequest, await _read_json(request, config.max_body_bytes))
         _require_ready(state)
         state.check_model(req.model)
-        _reject_unsupported(req)
+        reject_unsupported(req)
         prompt = req.prompt
         tokens = None
         if isinstance(prompt, list):
@@ -457,8 +206,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                 raise APIError(400, f"'prompt' must be one string or one list of token ids; batches of "
                                     f"{len(prompt)} prompts are not supported", param="prompt",
                                code="unsupported_parameter")
-        job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=_max_tokens_from(req.max_tokens, "max_tokens"),
-                  stop=_stop_from(req), sampling=_sampling_from(req), timeout_s=config.timeout_s)
+        job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
+                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s)
         return await _respond(state, request, req, job, chat=False)
 
     async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool):
@@ -475,8 +224,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         handed_over = False
         try:
             first = await _next_event(state, job)
-            if first[0] == "end" and (not first[1].started or first[1].outcome in _FAILED):
-                raise _error_from_result(first[1], config.timeout_s, chat)   # nothing sent yet: a plain error
+            if first[0] == "end" and (not first[1].started or first[1].outcome in FAILED):
+                raise error_from_result(first[1], config.timeout_s, chat)   # nothing sent yet: a plain error
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 handed_over = True            # _sse now owns the job and the disconnect watcher
@@ -489,8 +238,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                 texts.append(event[1].text)
                 event = await _next_event(state, job)
             res: JobResult = event[1]
-            if res.outcome in _FAILED:
-                raise _error_from_result(res, config.timeout_s, chat)
+            if res.outcome in FAILED:
+                raise error_from_result(res, config.timeout_s, chat)
             return _full_response(state, ident, chat, "".join(texts), res)
         finally:
             if not handed_over:
@@ -499,6 +248,17 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                     state.scheduler.cancel(job)
 
     return app
+
+
+def default_loader(config: ServerConfig) -> Callable[[], Any]:
+    def load():
+        from ..runtime import load as load_runtime
+
+        opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
+                if v is not None}
+        opts.update(config.load_opts)
+        return load_runtime(config.model, draft=config.draft, profile=config.profile, pull=config.pull, **opts)
+    return load
 
 
 class _Gate:
@@ -532,12 +292,7 @@ class _Gate:
         await self.app(scope, receive, counting_send)
 
 
-def _content_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
+
 
 
 def _require_ready(state: _State) -> None:
@@ -645,9 +400,7 @@ def _edgerun_field(state: _State, res: JobResult) -> dict:
     }
 
 
-def _usage(res: JobResult) -> dict:
-    return {"prompt_tokens": res.n_prompt_tokens, "completion_tokens": res.n_tokens,
-            "total_tokens": res.n_prompt_tokens + res.n_tokens}
+
 
 
 def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobResult) -> dict:
@@ -655,15 +408,14 @@ def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobRes
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": res.finish_reason}
-        return {**base, "object": "chat.completion", "choices": [choice], "usage": _usage(res),
+        return {**base, "object": "chat.completion", "choices": [choice], "usage": usage(res),
                 "edgerun": _edgerun_field(state, res)}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
-    return {**base, "object": "text_completion", "choices": [choice], "usage": _usage(res),
+    return {**base, "object": "text_completion", "choices": [choice], "usage": usage(res),
             "edgerun": _edgerun_field(state, res)}
 
 
-def _sse_data(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
 
 
 async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio.Task, *, ident: str,
@@ -683,28 +435,28 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
 
     try:
         if chat:
-            yield _sse_data({**base, "object": "chat.completion.chunk",
+            yield sse_data({**base, "object": "chat.completion.chunk",
                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]})
         event = first
         while event[0] == "step":
             if event[1].text:
-                yield _sse_data(chunk(event[1].text, None))
+                yield sse_data(chunk(event[1].text, None))
             try:
                 event = await _next_event(state, job)
             except APIError as err:
-                yield _sse_data(err.body())
+                yield sse_data(err.body())
                 yield b"data: [DONE]\n\n"
                 return
         res: JobResult = event[1]
-        if res.outcome in _FAILED:
-            yield _sse_data(_error_from_result(res, state.config.timeout_s, chat).body())
+        if res.outcome in FAILED:
+            yield sse_data(error_from_result(res, state.config.timeout_s, chat).body())
         else:
-            yield _sse_data(chunk(None, res.finish_reason, edgerun=_edgerun_field(state, res)))
+            yield sse_data(chunk(None, res.finish_reason, edgerun=_edgerun_field(state, res)))
             if include_usage:
                 usage_chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
-                               "choices": [], "usage": _usage(res)}
-                yield _sse_data(usage_chunk)
+                               "choices": [], "usage": usage(res)}
+                yield sse_data(usage_chunk)
         yield b"data: [DONE]\n\n"
     finally:
         watcher.cancel()
@@ -727,117 +479,3 @@ async def _watchdog(state: _State) -> None:
             log.error("the generation worker has been inside one step for %.0f s; withholding the watchdog "
                       "ping so systemd restarts the service", stuck)
         await asyncio.sleep(interval)
-
-
-# --- running it ----------------------------------------------------------------------------------
-
-def _default_loader(config: ServerConfig) -> Callable[[], Any]:
-    def load():
-        from .runtime import load as load_runtime
-
-        opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
-                if v is not None}
-        opts.update(config.load_opts)
-        return load_runtime(config.model, draft=config.draft, profile=config.profile, pull=config.pull, **opts)
-    return load
-
-
-def precheck(config: ServerConfig) -> None:
-    """Fail before binding the socket when a model name can never resolve (typo, missing file).
-
-    A registry model that is not cached yet passes: it is pulled after the socket is bound."""
-    from .registry import get_manifest, resolve_model
-
-    for spec in (config.model, config.draft):
-        if spec in (None, "auto", "none", "lookup"):
-            continue
-        try:
-            resolve_model(spec, pull=False)
-        except ModelNotFound as first:
-            try:
-                get_manifest(spec)
-            except ModelNotFound:
-                raise first from None
-
-
-class _UvicornServer(uvicorn.Server):
-    """uvicorn's server with a signal handler that drains edgerun's queue and exits 0.
-
-    uvicorn's own handler re-raises SIGTERM after a graceful shutdown, which would end the
-    process by the signal (exit status 143) instead of the clean exit 0 systemd expects."""
-
-    on_signal: Callable[[], None] = staticmethod(lambda: None)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True          # a second Ctrl+C: stop waiting for connections
-        else:
-            self.should_exit = True
-        self.on_signal()
-
-
-class BindError(EdgerunError):
-    """The HTTP socket could not be bound (address in use, not a local address, port < 1024 without rights)."""
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free port). Bound before the models load."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise BindError(f"cannot resolve the host {host!r}: {e.strerror}; expected an IP address or a "
-                        f"resolvable name such as 127.0.0.1") from None
-    family, type_, proto, _, addr = infos[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(2048)
-    except OSError as e:
-        sock.close()
-        raise BindError(f"cannot listen on {host}:{port}: {e.strerror}; is another server using the port? "
-                        f"(choose another with --port)") from None
-    return sock
-
-
-def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_level: str = "info") -> None:
-    """Run the server until SIGTERM/SIGINT, then return (exit 0). Raises the load error (an EdgerunError)
-    if the model fails to load, BindError if the socket cannot be bound."""
-    sock = bind_socket(config.host, config.port)
-    host, port = sock.getsockname()[:2]
-    holder: dict = {}
-    app = create_app(config, load=load, request_exit=lambda: setattr(holder["server"], "should_exit", True))
-    state: _State = app.state.edgerun
-    uv_config = uvicorn.Config(app, host=config.host, port=port, log_config=None, log_level=log_level,
-                               access_log=False, lifespan="on", proxy_headers=False, server_header=False,
-                               timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
-                               limit_concurrency=max(64, 4 * (config.queue + 1)))
-    server = _UvicornServer(uv_config)
-    holder["server"] = server
-
-    def on_signal() -> None:
-        loop = state.loop
-        if loop is not None:
-            loop.call_soon_threadsafe(state.begin_drain)
-
-    server.on_signal = on_signal
-    if not _is_loopback(host) and config.api_key is None:
-        log.warning("listening on %s without an API key: anyone who can reach this port can use the model", host)
-    log.info("listening on http://%s:%d (model %s loads in the background)",
-             f"[{host}]" if ":" in host else host, port, config.model)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    err = state.scheduler.load_error
-    if err is not None:
-        if isinstance(err, EdgerunError):
-            raise err
-        raise EdgerunError(f"the model failed to load: {err}") from err
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

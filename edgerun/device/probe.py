@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from ..config import SpeculativeArgs
-from ..profile import DeviceProfile
+from .profiles import DeviceProfile
 from . import bandwidth as B
 from .costprobe import probe_costs, verify_ratios
 
@@ -35,7 +35,7 @@ def bandwidth_report(profile: DeviceProfile, *, array_bytes: int | None = None, 
 def cost_report(profile: DeviceProfile, model: str, draft: str | None = None, *, remeasure: bool = False,
                 pull: bool = True, n_ctx: int = 512) -> dict:
     """Load the target (+ drafter) with the profile's settings and measure (or read) the cost curve."""
-    from ..registry import resolve_model
+    from ..registry.cache import resolve_model
     from ..backends import open_backend
     from ..spec.drafters import make_drafter
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import QuantizationError
+from ..errors import QuantizationError
 
 
 @dataclass(frozen=True)

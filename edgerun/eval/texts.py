@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import QuantizationError
+from ..errors import QuantizationError
 
 log = logging.getLogger(__name__)
 

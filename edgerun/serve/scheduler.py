@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .errors import EdgerunError, InvalidArgument
-from .generate import GenStats
+from ..errors import EdgerunError, InvalidArgument
+from ..generate import GenStats
 
 log = logging.getLogger(__name__)
 

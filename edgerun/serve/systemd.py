@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def build_flags(profile: str = "auto") -> dict:
     """How deploy/install.sh builds llama-cpp-python here: the device profile's CMAKE_ARGS and env."""
     from importlib import metadata
 
-    from .profile import resolve
+    from ..device.detect import resolve
 
     prof, why = resolve(profile)
     pin = None

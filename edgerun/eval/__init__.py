@@ -1,0 +1,1 @@
+"""Evaluation: calibration and evaluation texts, llama-perplexity-style scoring, paired comparisons."""

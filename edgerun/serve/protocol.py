@@ -1,0 +1,251 @@
+"""The OpenAI protocol as edgerun speaks it: request bodies and their validation, error and response shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..errors import ContextOverflow, EdgerunError, InvalidArgument
+from .scheduler import JobResult
+
+
+log = logging.getLogger(__name__)
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON. Raised inside request handling only."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+FAILED = ("error", "shutdown", "cancelled")     # job outcomes that are answered with an error
+
+
+def error_from_result(res: JobResult, timeout_s: float, chat: bool) -> APIError:
+    """The HTTP error for a job that produced nothing usable."""
+    if res.outcome == "error":
+        exc = res.error
+        if isinstance(exc, ContextOverflow):
+            return APIError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded")
+        if isinstance(exc, InvalidArgument):
+            return APIError(400, str(exc), code="invalid_value")
+        if isinstance(exc, EdgerunError):
+            return APIError(500, str(exc), type="server_error", code=type(exc).__name__)
+        return APIError(500, "internal error during generation (logged on the server)", type="server_error",
+                        code="internal_error")
+    if res.outcome == "shutdown":
+        return APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                        headers={"Retry-After": "5"})
+    if res.outcome == "timeout":
+        return APIError(503, f"the request waited its whole time limit ({timeout_s:g} s) in the queue",
+                        type="server_error", code="queue_timeout", headers={"Retry-After": "5"})
+    return APIError(499, "the client closed the request", code="cancelled")
+
+
+# --- request bodies ------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    """Strict types (no '1' for 1), unknown fields ignored as OpenAI clients send extras."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None              # llama.cpp-server extensions, honoured when given
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    # accepted only at their no-op values (checked in reject_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    logit_bias: Any = None
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    response_format: Any = None
+
+
+class CompletionRequest(Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-\w+|.*\[.*\]|[A-Z]\w*)$")
+
+
+def _param_of(loc: tuple) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p))]
+    return ".".join(parts)
+
+
+def validate(model_cls, data: Any):
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = _param_of(tuple(err.get("loc", ())))
+        where = f" at '{param}'" if param else ""
+        raise APIError(422, f"invalid request body{where}: {err.get('msg', 'wrong type')}"
+                            f" (got {_short(err.get('input'))})", param=param or None, code="invalid_type") from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def reject_unsupported(req) -> None:
+    def no(param: str, why: str) -> APIError:
+        return APIError(400, f"'{param}' {why} is not supported by edgerun", param=param, code="unsupported_parameter")
+
+    if req.n not in (None, 1):
+        raise no("n", f"= {req.n} (one choice per request)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v not in (None, 0, 0.0):
+            raise no(name, "other than 0 (use repeat_penalty)")
+    if req.logprobs not in (None, False, 0):
+        raise no("logprobs", "")
+    if req.logit_bias not in (None, {}):
+        raise no("logit_bias", "")
+    for name in ("top_logprobs", "tools", "tool_choice", "functions"):
+        if getattr(req, name, None) not in (None, [], 0, "none"):
+            raise no(name, "")
+    rf = getattr(req, "response_format", None)
+    if rf not in (None, {"type": "text"}):
+        raise no("response_format", "other than {'type': 'text'}")
+    if getattr(req, "echo", False):
+        raise no("echo", "= true")
+    if getattr(req, "suffix", None):
+        raise no("suffix", "")
+    if getattr(req, "best_of", None) not in (None, 1):
+        raise no("best_of", "other than 1")
+
+
+def sampling_from(req) -> dict:
+    """The sampling options a request set explicitly (the rest keep the runtime's defaults)."""
+    def bad(param: str, expected: str, value) -> APIError:
+        return APIError(400, f"'{param}' must be {expected}, got {value!r}", param=param, code="invalid_value")
+
+    out: dict = {}
+    t = req.temperature
+    if t is not None:
+        if not (math.isfinite(t) and 0 <= t <= 100):
+            raise bad("temperature", "a number in [0, 100] (0 = greedy)", t)
+        out["temperature"] = float(t)
+    if req.top_p is not None:
+        if not 0 < req.top_p <= 1:
+            raise bad("top_p", "in (0, 1]", req.top_p)
+        out["top_p"] = float(req.top_p)
+    if req.top_k is not None:
+        if req.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 disables it)", req.top_k)
+        out["top_k"] = req.top_k
+    if req.min_p is not None:
+        if not 0 <= req.min_p < 1:
+            raise bad("min_p", "in [0, 1)", req.min_p)
+        out["min_p"] = float(req.min_p)
+    if req.repeat_penalty is not None:
+        if not (math.isfinite(req.repeat_penalty) and req.repeat_penalty > 0):
+            raise bad("repeat_penalty", "a number > 0 (1 disables it)", req.repeat_penalty)
+        out["repeat_penalty"] = float(req.repeat_penalty)
+    if req.seed is not None:
+        out["seed"] = req.seed & (2 ** 64 - 1)      # OpenAI seeds are int64; numpy wants >= 0
+    return out
+
+
+def stop_from(req) -> tuple[str, ...]:
+    stop = req.stop
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
+                       param="stop", code="invalid_value")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise APIError(400, f"each 'stop' string may be at most {MAX_STOP_CHARS} characters",
+                           param="stop", code="invalid_value")
+    return tuple(s for s in stops if s)
+
+
+def max_tokens_from(value: int | None, param: str) -> int | None:
+    if value is None:
+        return None
+    if value < 1:
+        raise APIError(400, f"'{param}' must be an integer >= 1, got {value}", param=param, code="invalid_value")
+    return value
+
+
+
+
+def content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+
+def usage(res: JobResult) -> dict:
+    return {"prompt_tokens": res.n_prompt_tokens, "completion_tokens": res.n_tokens,
+            "total_tokens": res.n_prompt_tokens + res.n_tokens}
+
+
+
+def sse_data(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"

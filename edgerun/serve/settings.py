@@ -1,0 +1,161 @@
+"""The server's settings: one definition behind `edgerun serve`'s options, ServerConfig and deploy/edgerun.env.
+
+Each `Setting` names a ServerConfig field, its command-line flag, its EDGERUN_* variable, its type, the
+help text, and the lines it gets in the env file the systemd unit reads. `click_options` turns them into
+the CLI's options, `config_from_options` turns parsed options into a ServerConfig, and `render_env_file`
+writes deploy/edgerun.env (a test keeps the committed file equal to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import click
+
+from ..config import DEFAULT_MODEL
+from ..errors import InvalidArgument
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `edgerun serve` was asked to run. Every field but load_opts has a flag and an EDGERUN_* twin."""
+
+    model: str = DEFAULT_MODEL
+    draft: str | None = "auto"
+    profile: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    queue: int = 8                       # requests allowed to wait behind the running one
+    timeout_s: float = 300.0             # per-request limit: queue wait + generation
+    max_body_bytes: int = 1 * MiB
+    shutdown_grace_s: float = 10.0       # SIGTERM: how long the running generation may continue
+    n_ctx: int | None = None
+    n_threads: int | None = None
+    gamma: int | str | None = None       # None/'auto': the tuner decides
+    pull: bool = True                    # pull a registry model that is not cached yet
+    load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
+        if not isinstance(self.queue, int) or self.queue < 0:
+            raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
+        if not self.timeout_s > 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
+            raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
+        if not self.shutdown_grace_s >= 0:
+            raise InvalidArgument(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s!r}")
+        if self.api_key is not None and not self.api_key:
+            raise InvalidArgument("api_key must not be empty (leave it unset to disable authentication)")
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One `edgerun serve` setting, as a flag, an environment variable and an env-file entry."""
+
+    name: str                            # the click parameter name (the CLI function's argument)
+    flags: tuple[str, ...]               # e.g. ("--model", "-m")
+    env: str                             # EDGERUN_* variable
+    help: str
+    type: Any = None                     # click type (None: a string)
+    default: Any = None                  # the flag's default as the user writes it
+    is_flag: bool = False
+    env_value: str | None = None         # the env file's line: a value, or None to show it commented out
+    env_example: str = ""                # the commented-out example value
+    env_doc: tuple[str, ...] = ()        # comment lines before this variable in the env file
+    field: str | None = None             # the ServerConfig field it sets (None: same as name)
+    to_config: Callable[[Any], Any] = _same
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("model", ("--model", "-m"), "EDGERUN_MODEL", "Registry name, .gguf path, or exported ONNX directory.",
+            default=DEFAULT_MODEL, env_value=DEFAULT_MODEL,
+            env_doc=("Target model: a registry name (`edgerun list`), or a .gguf path the service can read",
+                     "(ProtectHome=yes hides /home and /root: put local models under /opt or /var/lib).")),
+    Setting("draft", ("--draft",), "EDGERUN_DRAFT", "Drafter: 'auto', 'none', 'lookup', or a model.",
+            default="auto", env_value="auto",
+            env_doc=("Drafter for speculative decoding: auto (the registry's pair), none, lookup, or a model.",),
+            to_config=lambda v: None if v == "none" else v),
+    Setting("gamma", ("--gamma",), "EDGERUN_GAMMA", "Draft length: an integer (0 = plain decoding) or 'auto'.",
+            default="auto", env_value="auto",
+            env_doc=("Draft length: auto (tuned from this board's measured costs) or an integer (0 = off).",)),
+    Setting("profile_name", ("--profile",), "EDGERUN_PROFILE",
+            "Device profile name or YAML path ('auto' detects the board).", default="auto", env_value="auto",
+            env_doc=("Device profile: auto-detected unless named here (install.sh writes the detected one).",),
+            field="profile"),
+    Setting("host", ("--host",), "EDGERUN_HOST",
+            "Address to bind. Anything but loopback exposes the API to the network: set an API key.",
+            default="127.0.0.1", env_value="127.0.0.1",
+            env_doc=("", "Network. 127.0.0.1 serves this board only; 0.0.0.0 exposes the API to the network:",
+                     'set EDGERUN_API_KEY as well then (clients send "Authorization: Bearer <key>").')),
+    Setting("port", ("--port",), "EDGERUN_PORT", "", type=click.IntRange(0, 65535), default=8080, env_value="8080"),
+    Setting("api_key", ("--api-key",), "EDGERUN_API_KEY",
+            "Require 'Authorization: Bearer KEY' on every endpoint but /health.", env_example="change-me",
+            to_config=lambda v: v or None),
+    Setting("queue", ("--queue",), "EDGERUN_QUEUE",
+            "Requests allowed to wait behind the running one; more get 503 + Retry-After.",
+            type=click.IntRange(0, None), default=8, env_value="8",
+            env_doc=("", "Load control: requests waiting behind the running one (more get 503 + Retry-After),",
+                     "per-request time limit in seconds, largest request body in KiB, and how long the",
+                     "running generation may continue after `systemctl stop` before it is cancelled.")),
+    Setting("timeout_s", ("--timeout",), "EDGERUN_TIMEOUT",
+            "Server-side time limit per request in seconds (queue wait + generation).",
+            type=click.FloatRange(0, None, min_open=True), default=300.0, env_value="300"),
+    Setting("max_body_kb", ("--max-body",), "EDGERUN_MAX_BODY_KB", "Largest request body in KiB (413 above).",
+            type=click.IntRange(1, None), default=1024, env_value="1024", field="max_body_bytes",
+            to_config=lambda kib: kib * 1024),
+    Setting("shutdown_grace", ("--shutdown-grace",), "EDGERUN_SHUTDOWN_GRACE",
+            "On SIGTERM, seconds the running generation may continue before it is cancelled.",
+            type=click.FloatRange(0, None), default=10.0, env_value="10", field="shutdown_grace_s"),
+    Setting("n_ctx", ("--ctx",), "EDGERUN_CTX", "Context size in tokens (profile default).", type=int,
+            env_example="4096", env_doc=("", "Engine overrides (empty: the device profile decides).")),
+    Setting("n_threads", ("--threads",), "EDGERUN_THREADS", "CPU threads (profile default).", type=int,
+            env_example="4"),
+    Setting("no_pull", ("--no-pull",), "EDGERUN_NO_PULL", "Fail instead of downloading a model that is not cached.",
+            is_flag=True, env_example="1", field="pull", to_config=lambda no: not no,
+            env_doc=("", "Where models and probe results are cached. The unit points this at its CacheDirectory",
+                     "(/var/cache/edgerun); uncomment only to use another place the service may write to.",
+                     "#EDGERUN_HOME=/var/cache/edgerun",
+                     "Fail at start instead of downloading a model that is not cached yet (air-gapped boards).")),
+)
+
+
+def click_options(f: Callable) -> Callable:
+    """Decorate a click command with every serve setting (flag, EDGERUN_* variable, default, help)."""
+    for s in reversed(SETTINGS):
+        kw: dict[str, Any] = dict(envvar=s.env, show_envvar=True, help=s.help or None)
+        if s.is_flag:
+            kw["is_flag"] = True
+        else:
+            kw.update(default=s.default, show_default=s.default is not None)
+            if s.type is not None:
+                kw["type"] = s.type
+        f = click.option(*s.flags, s.name, **kw)(f)
+    return f
+
+
+def config_from_options(options: dict[str, Any], **extra: Any) -> ServerConfig:
+    """A ServerConfig from the parsed serve options (the CLI function's keyword arguments)."""
+    values = {(s.field or s.name): s.to_config(options[s.name]) for s in SETTINGS}
+    return ServerConfig(**values, **extra)
+
+
+def render_env_file() -> str:
+    """The text of deploy/edgerun.env: every setting's variable, with its documentation."""
+    out = ["# /etc/edgerun/edgerun.env: settings of the edgerun service (systemd EnvironmentFile).",
+           "# Each variable is the twin of an `edgerun serve` option (see `edgerun serve --help`).",
+           "# After editing: sudo systemctl restart edgerun", ""]
+    for s in SETTINGS:
+        for line in s.env_doc:
+            out.append(line if line == "" or line.startswith("#") else f"# {line}")
+        out.append(f"{s.env}={s.env_value}" if s.env_value is not None else f"#{s.env}={s.env_example}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,1 @@
+"""Small mechanisms every room shares: atomic writes, packaged data, strict YAML into dataclasses."""

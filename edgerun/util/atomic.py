@@ -1,0 +1,98 @@
+"""Atomic writes: the one way edgerun puts a file (or an export directory) where a user will look for it.
+
+A temporary file in the destination's own folder is written, fsynced, given its final mode, renamed
+onto the destination, and the folder is fsynced so the rename survives a power cut. On any error,
+KeyboardInterrupt included, the temporary is removed: nothing that looks complete is ever left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename inside `directory` durable (POSIX); a no-op where folders cannot be opened."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(directory, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:           # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = ".part", mode: int = 0o644,
+                prefix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; when the block ends normally, the file written there becomes
+    `path` (fsync, chmod `mode`, rename, fsync of the folder). An exception removes it and propagates."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=prefix or f".{dest.name}.", suffix=suffix, dir=dest.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.chmod(tmp, mode)          # mkstemp creates 0600; what edgerun writes is meant to be shared
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone already after a successful rename
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644) -> None:
+    with atomic_path(path, mode=mode) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1, sort_keys: bool = False) -> None:
+    write_bytes(path, (json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n").encode("utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a new temporary folder beside `path`; when the block ends normally its files are fsynced and it
+    replaces `path` (an empty folder, an earlier copy, or nothing). An exception removes it."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                _fsync_file(f)
+        fsync_dir(tmp)
+        _replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_dir(tmp: Path, dest: Path) -> None:
+    old = None
+    if dest.exists():
+        if any(dest.iterdir()):
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.rename(dest, old)
+        else:
+            dest.rmdir()
+    os.rename(tmp, dest)
+    fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old)
