@@ -450,7 +450,7 @@ def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_p
 @click.option("--calib", default="builtin", show_default=True,
               help="Calibration text: 'builtin' (CPython's reference prose), 'stdlib-code', or a text file.")
 @click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Calibration tokens (cut into 512-token sequences).")
-@click.option("--embed-type", default="q8_0", show_default=True, help="Token embeddings / output head: q8_0 or f16.")
+@click.option("--embed-type", default="q8_0", show_default=True, help="Token embeddings / output head: q8_0, q4_0 (all-Q4_0: fastest speculation on a CPU) or f16.")
 @click.option("--grid", type=int, default=20, show_default=True, help="AWQ scale exponents tried per group.")
 @click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

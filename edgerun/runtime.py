@@ -13,7 +13,8 @@ from .backends import model_memory, open_backend
 from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
 from .errors import ContextOverflow, InvalidArgument
 from .generate import GenStats, Step, generate
-from .spec.gamma import FixedGamma, GammaPolicy
+from .spec.gamma import FixedGamma, GammaPolicy, GammaTuner
+from .spec.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Runtime:
 
     def __init__(self, target, *, model_name: str, drafter=None, draft_name: str | None = None,
                  profile=None, spec: SpeculativeArgs = SpeculativeArgs(), policy: GammaPolicy | None = None,
-                 sampling: SamplingArgs = SamplingArgs()) -> None:
+                 sampling: SamplingArgs = SamplingArgs(), tuner_store: TunerStore | None = None) -> None:
         self.target = target
         self.tokenizer = target.tokenizer
         self.model_name = model_name
@@ -61,6 +62,8 @@ class Runtime:
         self.spec = spec
         self.sampling = sampling
         self.policy = policy if policy is not None else FixedGamma(spec.gamma if spec.gamma is not None else 4)
+        self.tuner_store = tuner_store       # persists what the gamma tuner learns (per sampling regime)
+        self._tuners: dict[str, GammaTuner] = {}
         self.last_stats: GenStats | None = None
         self.session_stats = GenStats()
 
@@ -78,9 +81,22 @@ class Runtime:
             raise InvalidArgument(f"unknown sampling option(s) {sorted(unknown)}; expected some of {list(_SAMPLING_KEYS)}")
         return replace(self.sampling, **{k: v for k, v in kw.items() if v is not None})
 
-    def _policy_for(self, gamma) -> GammaPolicy:
+    def _policy_for(self, gamma, sampling: SamplingArgs) -> GammaPolicy:
+        """A fixed gamma if one is asked for; else the tuner of this sampling regime, continuing from what
+        earlier processes learned when the runtime has a tuner store."""
         g = parse_gamma(gamma)
-        return self.policy if g is None else FixedGamma(g)
+        if g is not None:
+            return FixedGamma(g)
+        if self.tuner_store is None or not isinstance(self.policy, GammaTuner):
+            return self.policy
+        if self.policy not in self._tuners.values():
+            self._tuners = {}                   # the policy was replaced: start over with it
+        r = regime(sampling)
+        if r not in self._tuners:
+            t = self.policy if not self._tuners else self.policy.fresh()
+            self.tuner_store.load(t, r)
+            self._tuners[r] = t
+        return self._tuners[r]
 
     def _check_prompt(self, tokens: Sequence[int]) -> None:
         if len(tokens) >= self.n_ctx:
@@ -99,7 +115,7 @@ class Runtime:
         if not isinstance(max_tokens, int) or max_tokens < 0:
             raise InvalidArgument(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         self._check_prompt(prompt_tokens)
-        policy = self._policy_for(gamma)
+        policy = self._policy_for(gamma, sampling)
         stats = stats if stats is not None else GenStats()
         return self._run(list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats)
 
@@ -111,6 +127,8 @@ class Runtime:
         finally:
             self.last_stats = stats
             self.session_stats.merge(stats)
+            if self.tuner_store is not None and any(policy is t for t in self._tuners.values()):
+                self.tuner_store.save(policy, regime(sampling))
 
     def stream(self, prompt: str, **kw) -> Iterator[Step]:
         return self.stream_tokens(self.tokenize(prompt), **kw)
@@ -189,14 +207,13 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     try:
         drafter = make_drafter(None if draft is None else (str(draft_path) if draft_path else draft), target,
                                backend_args=args, spec_args=spec, pull=pull)
-        policy = None
+        policy, store = None, None
         if drafter is not None and spec.gamma is None:
-            from .spec.gamma import GammaTuner
-
             policy = GammaTuner.for_runtime(prof, target, drafter, spec)
+            store = TunerStore.for_pair(target, drafter)
         return Runtime(target, model_name=str(model), drafter=drafter,
                        draft_name=None if draft in (None, "none") else str(draft), profile=prof, spec=spec,
-                       policy=policy, sampling=sampling or SamplingArgs())
+                       policy=policy, sampling=sampling or SamplingArgs(), tuner_store=store)
     except BaseException:
         target.close()
         raise

@@ -233,3 +233,17 @@ def test_ablation_switches_limit_where_scales_are_searched(tiny_model_factory):
     assert all(r.choice != "awq" for r in norm_only if r.group in ("attn_out", "ffn_out"))
     assert all(r.loss <= r.loss_rtn for r in norm_only)
     assert any(r.choice == "awq" for r in run(scale_after_linear=True) if r.group in ("attn_out", "ffn_out"))
+
+
+def test_pure_q4_0_stores_embeddings_and_head_as_q4_0_byte_exact(src_model, tmp_path):
+    """embed_type q4_0 (speculation-ready 'pure' files): every matrix is Q4_0, byte-identical to gguf.quants."""
+    out = quantize(src_model, tmp_path / "pure.gguf", QuantArgs(method="rtn", format="q4_0", embed_type="q4_0")).out
+    src = GGUFSource(src_model)
+    r = gguf.GGUFReader(out)
+    mats = [t for t in r.tensors if src.tensor(t.name).ndim == 2]
+    assert {t.name for t in mats} >= {"token_embd.weight"}
+    for t in mats:
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_0, t.name
+        expect = gguf.quants.quantize(src.tensor(t.name), gguf.GGMLQuantizationType.Q4_0)
+        assert np.array_equal(np.asarray(t.data).reshape(expect.shape).view(np.uint8), expect.view(np.uint8)), t.name
+    assert read_edgerun_metadata(out)["edgerun.quant.embed_type"] == "q4_0"

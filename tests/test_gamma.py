@@ -5,6 +5,8 @@ plain decoding."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -308,3 +310,71 @@ def test_thompson_choices_are_reproducible_for_a_seed():
             t.observe(g, min(g, int(rng.integers(0, 3))), g * td, tv[g])
         runs.append(choices)
     assert runs[0] == runs[1]
+
+
+# --- what the tuner learned persists between processes ------------------------------------------
+
+def _trained(seed: int = 3) -> GammaTuner:
+    tv, td = tuple(0.01 * (1 + 0.3 * i) for i in range(9)), 0.001
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8, n_classes=2, seed=seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        c = int(rng.integers(0, 2))
+        g = t.choose(c)
+        acc = 0
+        while acc < g and rng.random() < (0.9 if c == 0 else 0.2):
+            acc += 1
+        t.observe(g, acc, g * td, tv[g])
+    return t
+
+
+def test_tuner_state_round_trips_and_a_restored_tuner_decides_alike():
+    a = _trained()
+    b = a.fresh(seed=0)
+    assert b.gammas() != a.gammas() or not np.allclose(b.acceptance(0), a.acceptance(0))
+    assert b.restore(json.loads(json.dumps(a.state())))
+    for c in range(2):
+        assert np.allclose(b.acceptance(c), a.acceptance(c)) and np.allclose(b.rates(c), a.rates(c))
+    assert b.gammas() == a.gammas() and b.t_verify(3) == a.t_verify(3)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.update(gamma_max=4), lambda s: s.update(n_classes=3), lambda s: s.pop("_acc"),
+    lambda s: s.update(_acc=[[float("nan")] * 8] * 2), lambda s: s.update(_load=-1.0),
+    lambda s: s.update(_current=[99, 0]),
+])
+def test_a_state_that_does_not_fit_is_ignored(edit):
+    a = _trained()
+    s = a.state()
+    edit(s)
+    b = a.fresh()
+    before = b.state()
+    assert not b.restore(s)
+    assert b.state() == before
+
+
+def test_runtime_persists_the_tuner_per_sampling_regime(tiny_llama, tmp_path, monkeypatch):
+    """A second process (a new Runtime) starts from what the first learned; greedy and sampled apart."""
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    monkeypatch.setenv("EDGERUN_PROFILE", "generic-x86_64-cpu")
+    import edgerun
+
+    prompt = "hello world, hello world, hello world, hello"
+    rt = edgerun.load(str(tiny_llama), draft="lookup", n_ctx=256, n_threads=1)
+    try:
+        rt.generate(prompt, max_tokens=24, temperature=0)
+        greedy = rt._tuners["greedy"].state()
+        rt.generate(prompt, max_tokens=24, temperature=1.0, seed=1)
+        assert set(rt._tuners) == {"greedy", "sampled"} and rt._tuners["sampled"] is not rt._tuners["greedy"]
+    finally:
+        rt.close()
+    files = sorted(p.name for p in (tmp_path / "probes").glob("tuner-*.json"))
+    assert len(files) == 2 and files[0].endswith("-greedy.json") and files[1].endswith("-sampled.json")
+    assert sum(greedy["_n_drafting"]) > 0
+    rt2 = edgerun.load(str(tiny_llama), draft="lookup", n_ctx=256, n_threads=1)
+    try:
+        t = rt2._policy_for(None, rt2.sampling_args(temperature=0))
+        assert t.state()["_n_drafting"] == greedy["_n_drafting"] and t.state()["_acc"] == greedy["_acc"]
+        assert rt2._policy_for(3, rt2.sampling_args()).gamma == 3         # a fixed gamma is not the tuner
+    finally:
+        rt2.close()

@@ -107,7 +107,7 @@ def _kind(cfg: ModelConfig, name: str) -> str:
 
 def _store(kind: str, a: np.ndarray, args: QuantArgs, params: F.BlockParams | None = None) -> np.ndarray:
     if kind == "embed":
-        return a.astype(np.float16) if args.embed_type == "f16" else F.pack("q8_0", a)
+        return a.astype(np.float16) if args.embed_type == "f16" else F.pack(args.embed_type, a)
     if kind == "linear":
         return F.pack(args.format, a, params)
     return np.ascontiguousarray(a, dtype=np.float32)

@@ -162,6 +162,47 @@ class GammaTuner:
         curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=gmax + 1)
         return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)))
 
+    def fresh(self, seed: int = 0) -> "GammaTuner":
+        """A tuner with this one's cost curve, gamma_max, classes and settings, and nothing learned."""
+        return GammaTuner(self.cost, self.gamma_max, n_classes=self.n_classes, seed=seed, settings=self.settings)
+
+    # -- what was learned, to persist between processes (spec/tuner_store.py) --------------------
+    _ARRAYS = ("_acc", "_seen", "_asked", "_got", "_shape", "_shape_n", "_current", "_n_drafting",
+               "_explore_interval", "_since_explore")
+    _SCALARS = ("_load", "_td_ratio", "_t_miss")
+
+    def state(self) -> dict:
+        """Everything learned online (acceptance and supply counts, time corrections, the gamma in force
+        per class, warm-up and exploration progress) as plain JSON values."""
+        out = {name: getattr(self, name).tolist() for name in self._ARRAYS}
+        out.update({name: float(getattr(self, name)) for name in self._SCALARS})
+        out.update(gamma_max=self.gamma_max, n_classes=self.n_classes, n_explored=self.n_explored)
+        return out
+
+    def restore(self, state: dict) -> bool:
+        """Continue from `state()` of a tuner of the same shape; False (nothing changed) when it does not fit."""
+        try:
+            if state["gamma_max"] != self.gamma_max or state["n_classes"] != self.n_classes:
+                return False
+            arrays = {}
+            for name in self._ARRAYS:
+                cur = getattr(self, name)
+                a = np.asarray(state[name], dtype=cur.dtype)
+                if a.shape != cur.shape or not np.isfinite(a).all() or (a < 0).any():
+                    return False
+                arrays[name] = a
+            scalars = {name: float(state[name]) for name in self._SCALARS}
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not all(np.isfinite(v) and v >= 0 for v in scalars.values()) or scalars["_load"] <= 0 \
+                or scalars["_td_ratio"] <= 0 or (arrays["_current"] > self.gamma_max).any():
+            return False
+        for name, a in {**arrays, **scalars}.items():
+            setattr(self, name, a)
+        self.n_explored = int(state.get("n_explored", 0))
+        self._tv_cache = None
+        return True
+
     # -- the model ---------------------------------------------------------------------------
     def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float, c: int,
                 rng: np.random.Generator | None = None) -> np.ndarray:
