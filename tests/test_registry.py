@@ -4,6 +4,7 @@ assembly, checksums, interrupted pulls, model resolution. Offline: pip runs with
 from __future__ import annotations
 
 import base64
+import json
 import hashlib
 import os
 import subprocess
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 from edgerun import registry
+from edgerun.cli import main
 from edgerun.registry import fetch
 from edgerun.util.resources import data_dir
 from edgerun.errors import ChecksumError, ModelFormatError, ModelNotFound, RegistryError
@@ -360,3 +363,76 @@ def test_builtin_vocab_fingerprints_match_cached_models(monkeypatch):
     for m in cached:
         assert m.vocab_fingerprint is not None, m.name
         assert Tokenizer.from_gguf(registry.cached_path(m)).vocab_fingerprint == m.vocab_fingerprint, m.name
+
+
+# --- variants: files made from a registry file by a quantize recipe ----------------------------------
+
+@pytest.fixture
+def real_model(env, tiny_model_factory):
+    """'tiny-real': a real (tiny, f32) GGUF in one wheel, with a 'spec' variant (all-Q4_0, RTN: fast here)."""
+    _, models, wheels = env
+    data = Path(tiny_model_factory(arch="llama", wtype="f32")).read_bytes()
+    make_wheel(wheels, "tiny-real-part", "1.0", {"tiny_real_part/model.gguf": data})
+    variants = ("variants:\n  spec:\n    description: all-Q4_0 for speed\n    method: rtn\n    format: q4_0\n"
+                "    embed_type: q4_0\n")
+    (models / "tiny-real.yaml").write_text(
+        manifest_yaml("tiny-real", [piece_yaml("tiny-real-part", "1.0", "tiny_real_part/model.gguf", data)], data)
+        + variants)
+    return data
+
+
+def test_a_variant_is_made_once_from_the_registry_file(env, real_model):
+    import gguf
+
+    from edgerun.formats.gguf import read_edgerun_metadata
+
+    home, _, wheels = env
+    stages = []
+    path = registry.pull("tiny-real@spec", progress=lambda s, d, t: stages.append(s), find_links=[wheels])
+    assert path == registry.cached_path("tiny-real", "spec") and path.name == "tiny-real@spec.gguf"
+    assert registry.is_cached("tiny-real") and registry.is_cached("tiny-real", "spec")
+    assert "quantize" in stages and "assemble" in stages
+    mats = [t for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2]
+    assert mats and all(t.tensor_type == gguf.GGMLQuantizationType.Q4_0 for t in mats)
+    md = read_edgerun_metadata(path)
+    assert md["edgerun.quant.method"] == "rtn" and md["edgerun.quant.embed_type"] == "q4_0"
+    assert md["edgerun.source.sha256"] == sha(real_model)          # what it was made from lives in the file
+    mtime = path.stat().st_mtime_ns
+    assert registry.resolve_model("tiny-real@spec", pull=False) == path
+    assert registry.pull("tiny-real", variant="spec", find_links=[wheels]).stat().st_mtime_ns == mtime   # cached
+    assert leftovers(home) == ["tiny-real.gguf", "tiny-real@spec.gguf"]      # no temporaries
+
+
+def test_unknown_or_unmade_variants_are_refused_clearly(env, real_model):
+    with pytest.raises(ModelNotFound, match=r"has no variant 'fast'; its variants: tiny-real@spec"):
+        registry.resolve_model("tiny-real@fast", pull=False)
+    with pytest.raises(ModelNotFound, match=r"run `edgerun pull tiny-real --variant spec` first"):
+        registry.resolve_model("tiny-real@spec", pull=False)
+    r = CliRunner().invoke(main, ["pull", "tiny-real", "--variant", "fast"])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "its variants: tiny-real@spec" in r.output
+    rows = json.loads(CliRunner().invoke(main, ["list", "--json"]).output)
+    row = next(x for x in rows if x["name"] == "tiny-real@spec")
+    assert row["cached"] is False and row["made_from"] == "tiny-real" and row["size"] is None
+
+
+def test_a_variant_target_pairs_with_the_same_variant_of_its_drafter(env, split_model):
+    _, models, _ = env
+    whole, pieces = split_model
+    spec = "variants:\n  spec:\n    description: d\n"
+    (models / "tiny-draft.yaml").write_text(manifest_yaml("tiny-draft", pieces, whole, kind="drafter") + spec)
+    (models / "tiny-split.yaml").write_text(manifest_yaml("tiny-split", pieces, whole, extra="draft: tiny-draft\n"))
+    assert registry.default_draft_for("tiny-split@spec") == "tiny-draft@spec"
+    assert registry.default_draft_for("tiny-split") == "tiny-draft"
+
+
+@pytest.mark.parametrize("variants, message", [
+    ("variants:\n  Bad Name:\n    description: d\n", "variant name 'Bad Name'"),
+    ("variants:\n  spec:\n    description: d\n    format: q3_k\n", r"variants\.spec: format must be"),
+    ("variants:\n  spec:\n    descripton: d\n", r"unknown key 'variants\.spec\.descripton'"),
+])
+def test_variant_recipes_are_checked(env, split_model, variants, message):
+    _, models, _ = env
+    whole, pieces = split_model
+    (models / "tiny-split.yaml").write_text(manifest_yaml("tiny-split", pieces, whole) + variants)
+    with pytest.raises(RegistryError, match=message):
+        registry.list_models()

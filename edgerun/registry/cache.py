@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 
 from ..errors import ModelFormatError, ModelNotFound
-from .manifest import Manifest, get_manifest, load_manifests, unknown_message
+from .manifest import Manifest, get_manifest, load_manifests, split_name, unknown_message
 
 if TYPE_CHECKING:
     from .fetch import Progress
@@ -27,16 +27,22 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "edgerun"
 
 
-def cached_path(model: str | Manifest) -> Path:
-    """Where a registry model's assembled file lives in the cache (whether or not it is there)."""
+def cached_path(model: str | Manifest, variant: str | None = None) -> Path:
+    """Where a registry model's assembled file (or a variant made from it) lives in the cache, whether or not
+    it is there."""
     m = model if isinstance(model, Manifest) else get_manifest(model)
-    return cache_dir() / "models" / m.file_name
+    if variant is None:
+        return cache_dir() / "models" / m.file_name
+    return cache_dir() / "models" / f"{m.name}@{variant}.{m.format}"
 
 
-def is_cached(model: str | Manifest) -> bool:
-    """Cheap check: the cached file exists and has the pinned size (``pull(verify=True)`` re-hashes)."""
+def is_cached(model: str | Manifest, variant: str | None = None) -> bool:
+    """Cheap check: the cached file exists and has the pinned size (``pull(verify=True)`` re-hashes); a variant
+    exists (it is written atomically, so a file under its name is complete)."""
     m = model if isinstance(model, Manifest) else get_manifest(model)
-    path = cached_path(m)
+    path = cached_path(m, variant)
+    if variant is not None:
+        return path.is_file()
     return path.is_file() and path.stat().st_size == m.size
 
 
@@ -68,16 +74,20 @@ def resolve_model(spec: str | os.PathLike, *, pull: bool = True, progress: Progr
     if _looks_like_path(spec):
         return _local_model(spec)
     manifests = load_manifests()
-    m = manifests.get(spec)
+    name, variant = split_name(spec)
+    m = manifests.get(name)
     if m is None:
         if Path(spec).exists():
             return _local_model(spec)
         raise ModelNotFound(unknown_message(spec, manifests))
-    if is_cached(m):
-        return cached_path(m)
+    if variant is not None and variant not in m.variants:
+        known = ", ".join(f"{m.name}@{v}" for v in m.variants) or "none"
+        raise ModelNotFound(f"model {m.name} has no variant {variant!r}; its variants: {known}")
+    if is_cached(m, variant):
+        return cached_path(m, variant)
     if not pull:
-        raise ModelNotFound(f"model {m.name} is not in the cache ({cached_path(m)}); "
-                            f"run `edgerun pull {m.name}` first")
+        how = f"edgerun pull {m.name} --variant {variant}" if variant else f"edgerun pull {m.name}"
+        raise ModelNotFound(f"model {spec} is not in the cache ({cached_path(m, variant)}); run `{how}` first")
     from .fetch import pull_manifest
 
-    return pull_manifest(m, progress=progress)
+    return pull_manifest(m, progress=progress, variant=variant)

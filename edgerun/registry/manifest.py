@@ -7,13 +7,14 @@ import logging
 import os
 import re
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 from pathlib import Path
 
 
 from ..util import strict_yaml
 from ..util.resources import data_dir
-from ..errors import ModelNotFound, RegistryError
+from ..errors import EdgerunError, ModelNotFound, RegistryError
 
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,26 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A file edgerun makes from the registry file, once, with `edgerun quantize` (the recipe below); it is
+    named NAME@VARIANT wherever a model name goes and lives in the cache beside the registry file."""
+
+    description: str
+    method: str = "awq"                # QuantArgs fields
+    format: str = "q4_0"
+    embed_type: str = "q4_0"
+    calib: str = "builtin"
+    calib_tokens: int = 4096
+    grid: int = 20
+
+    def quant_args(self):
+        from ..config import QuantArgs
+
+        return QuantArgs(method=self.method, format=self.format, embed_type=self.embed_type, calib=self.calib,
+                         calib_tokens=self.calib_tokens, grid=self.grid)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """What the registry knows about one model: where its pieces are and what the assembled file is."""
 
@@ -60,6 +81,7 @@ class Manifest:
     upstream: str | None = None        # where the weights come from originally
     draft: str | None = None           # registry name of the default drafter for this target
     vocab_fingerprint: str | None = None  # edgerun.tokenizer fingerprint; drafter and target must match
+    variants: Mapping[str, Variant] = field(default_factory=dict)   # made from this file on demand
     source: Path | None = None         # the manifest file this came from
 
     @property
@@ -104,6 +126,13 @@ def parse_manifest(path: Path) -> Manifest:
             raise RegistryError(f"{where}: {key} must be positive, got {getattr(m, key)}")
     if m.draft == m.name:
         raise RegistryError(f"{where}: a model cannot be its own draft")
+    for vname, v in m.variants.items():
+        if not _NAME_RE.fullmatch(vname):
+            raise RegistryError(f"{where}: variant name {vname!r} must be lowercase letters, digits, '.', '_' or '-'")
+        try:
+            v.quant_args()
+        except EdgerunError as e:
+            raise RegistryError(f"{where}: variants.{vname}: {e}") from None
     _check_sha256(m.sha256, where)
     _check_sha256(m.vocab_fingerprint, where, "vocab_fingerprint")
     return dataclasses.replace(m, source=path)
@@ -154,10 +183,25 @@ def list_models() -> list[Manifest]:
     return sorted(load_manifests().values(), key=lambda m: m.name)
 
 
+def split_name(spec: str) -> tuple[str, str | None]:
+    """'NAME@VARIANT' -> (NAME, VARIANT); a plain name -> (NAME, None)."""
+    name, sep, variant = spec.partition("@")
+    return (name, variant) if sep else (spec, None)
+
+
 def default_draft_for(name: str) -> str | None:
-    """Registry name of the drafter paired with a registry model, or None (also for local paths)."""
-    m = load_manifests().get(os.fspath(name))
-    return m.draft if m is not None else None
+    """Registry name of the drafter paired with a registry model, or None (also for local paths). A variant
+    of the target (NAME@VARIANT) is paired with the same variant of the drafter where the drafter has it:
+    files stored alike for speed make the fastest pair."""
+    manifests = load_manifests()
+    base, variant = split_name(os.fspath(name))
+    m = manifests.get(base)
+    if m is None or m.draft is None:
+        return None
+    d = manifests.get(m.draft)
+    if variant is not None and d is not None and variant in d.variants:
+        return f"{m.draft}@{variant}"
+    return m.draft
 
 
 def unknown_message(name: str, manifests: dict[str, Manifest]) -> str:
