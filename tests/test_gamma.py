@@ -74,7 +74,7 @@ def test_both_policies_are_gamma_policies():
 def test_tuner_settings_are_validated():
     assert GammaTuner(CostCurve((0.01, 0.02), 0.001), gamma_max=4).settings == TunerSettings()
     for bad in (dict(alpha_prior=1.0), dict(supply_prior=0.0), dict(decay=0.0), dict(hysteresis=-0.1),
-                dict(time_ema=0.0), dict(explore_budget=0.0), dict(warmup_cycles=-1), dict(warmup_gamma=0),
+                dict(time_ema=0.0), dict(explore_budget=0.0), dict(warmup_cycles=-1), dict(warmup_gamma=-1), dict(warmup_total=-1),
                 dict(explore_every=0), dict(explore_every=8, explore_max=4)):
         with pytest.raises(InvalidArgument):
             TunerSettings(**bad)
@@ -378,3 +378,19 @@ def test_runtime_persists_the_tuner_per_sampling_regime(tiny_llama, tmp_path, mo
         assert rt2._policy_for(3, rt2.sampling_args()).gamma == 3         # a fixed gamma is not the tuner
     finally:
         rt2.close()
+
+
+def test_warm_up_drafts_the_gamma_the_curve_favours_and_is_bounded_over_classes():
+    """T(3) > T(4), as llama.cpp's 4-row CPU kernels measure: warm-up drafts 3, not 2; and however many
+    hint classes a drafter has, a tuner that knows nothing forces at most warmup_total drafting cycles."""
+    tv = (0.060, 0.100, 0.170, 0.120, 0.200, 0.240, 0.280, 0.320, 0.360)     # T(1..9), not monotone
+    t = GammaTuner(CostCurve(tv, 0.002), gamma_max=8, n_classes=6, settings=TunerSettings(alpha_prior=0.5))
+    forced = []
+    for c in range(6):
+        for _ in range(3):
+            g = t.choose(c)
+            if g > 0:
+                forced.append(g)
+            t.observe(g, 0, g * 0.002, tv[g])            # every draft rejected: speculation never pays
+    assert forced and forced[0] == 3
+    assert len(forced) <= TunerSettings().warmup_total + t.n_explored

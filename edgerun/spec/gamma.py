@@ -43,6 +43,8 @@ from ..device.cost import CostCurve
 
 log = logging.getLogger(__name__)
 
+WARMUP_ALPHA = 0.8     # acceptance the warm-up gamma is chosen for (a drafter worth learning about)
+
 
 @runtime_checkable
 class GammaPolicy(Protocol):
@@ -84,11 +86,12 @@ class TunerSettings:
     explore_every: int = 16         # cycles between explorations while speculation is on, at first...
     explore_max: int = 256          # ... doubling up to this while the choice stands
     explore_budget: float = 0.01    # share of decode time losing exploratory drafts may cost while off
-    warmup_cycles: int = 2          # drafting cycles per class whatever the prior says
+    warmup_cycles: int = 2          # drafting cycles per class whatever the prior says...
+    warmup_total: int = 4           # ... and at most this many over all classes (learning cost bounded)
     time_ema: float = 0.2           # EMA weight of an observed time (load, draft ratio, miss cost)
     shape_rate: float = 0.05        # least learning rate of the curve's per-n shape correction
     thompson: bool = True           # draw the class's pooled acceptance from its posterior each cycle
-    warmup_gamma: int = 2           # gamma of the warm-up cycles (at most gamma_max)
+    warmup_gamma: int = 0           # gamma of the warm-up cycles; 0: the one the cost curve favours
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha_prior < 1 or not 0 < self.supply_prior <= 1:
@@ -99,9 +102,9 @@ class TunerSettings:
                                   f"got {self.decay}, {self.hysteresis}, {self.time_ema}")
         if not 0 < self.explore_budget <= 1:
             raise InvalidArgument(f"explore_budget must be in (0, 1], got {self.explore_budget}")
-        if self.warmup_cycles < 0 or self.warmup_gamma < 1:
-            raise InvalidArgument(f"need warmup_cycles >= 0 and warmup_gamma >= 1, "
-                                  f"got {self.warmup_cycles}, {self.warmup_gamma}")
+        if self.warmup_cycles < 0 or self.warmup_total < 0 or self.warmup_gamma < 0:
+            raise InvalidArgument(f"need warmup_cycles >= 0, warmup_total >= 0 and warmup_gamma >= 0, "
+                                  f"got {self.warmup_cycles}, {self.warmup_total}, {self.warmup_gamma}")
         if self.explore_every < 1 or self.explore_max < self.explore_every:
             raise InvalidArgument(f"need 1 <= explore_every <= explore_max, "
                                   f"got {self.explore_every}, {self.explore_max}")
@@ -120,7 +123,7 @@ class GammaTuner:
         self.gamma_max = gamma_max
         self.n_classes = n_classes
         self.settings = settings
-        self.warmup_gamma = min(settings.warmup_gamma, gamma_max)
+        self.warmup_gamma = min(settings.warmup_gamma, gamma_max)     # 0: chosen from the curve per cycle
         self._rng = np.random.default_rng(seed)
         C, G = n_classes, gamma_max
         # decayed counts per hint class and drafted position i = 1..G (index [class, i - 1])
@@ -295,10 +298,11 @@ class GammaTuner:
         self._since_explore[c] += 1
         if g == 0 and not self._could_win():
             pass              # even perfect acceptance would not beat plain decoding: never draft
-        elif g == 0 and self._n_drafting[c] < self.settings.warmup_cycles:
+        elif (g == 0 and self._n_drafting[c] < self.settings.warmup_cycles
+              and self._n_drafting.sum() < self.settings.warmup_total):
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
-            g = self.warmup_gamma
+            g = self.warmup_gamma or self._favoured_gamma()
         elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap()):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
             # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle)
@@ -373,6 +377,14 @@ class GammaTuner:
             self._td_ratio = (1 - k) * self._td_ratio + k * r
         elif m == 0 and asked > 0:
             self._t_miss = (1 - k) * self._t_miss + k * t_draft
+
+    def _favoured_gamma(self) -> int:
+        """The gamma (>= 1) the cost curve favours for a drafter that is good (acceptance WARMUP_ALPHA): the
+        warm-up learns acceptance where speculation would be run. Where the curve is not monotone (llama.cpp's
+        CPU kernels verify 4 positions for little more than 2) it is not simply a small gamma."""
+        g = np.arange(1, self.gamma_max + 1)
+        tokens = (1.0 - WARMUP_ALPHA ** (g + 1)) / (1.0 - WARMUP_ALPHA)            # Leviathan's E[tokens]
+        return int(g[np.argmax(tokens / (g * self.t_draft() + self._tv_table()[1:]))])
 
     def _off_gap(self) -> float:
         """Plain cycles between exploratory one-token drafts so that a losing draft costs at most
