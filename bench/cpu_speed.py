@@ -9,9 +9,11 @@ sampled prose) and every round, each system decodes the same prompt in turn:
   edgerun plain, registry file       edgerun's decode loop, gamma 0, registry target
   edgerun plain                      gamma 0 on the speculation-ready target
   edgerun gamma=k                    fixed gamma on the speculation-ready pair (or lookup)
+  edgerun plain, fresh               gamma 0 (--draft none) in a fresh Runtime per run, as a new CLI process
   edgerun auto                       the gamma tuner, a fresh Runtime per run (as a new CLI process starts:
                                      what earlier runs learned comes from the tuner's store on disk; the
-                                     store of the pair is emptied when the bench starts)
+                                     store of the pair is emptied when the bench starts); auto/plain is
+                                     auto over "plain, fresh" (both pay a cold context)
 
 Rates exclude prefill (llama.cpp's "eval time" / "decoded ... speed" lines; edgerun's GenStats.tokens_per_s).
 The table gives medians over rounds and ratios to llama.cpp plain on the registry file; `auto/plain` is
@@ -189,13 +191,14 @@ def main() -> None:
                         ("edgerun plain", lambda: edgerun_run(rt, p, n, temp, 0))]
             systems += [(f"edgerun gamma={g}", (lambda g=g: edgerun_run(rt, p, n, temp, g))) for g in gammas]
 
-            def auto():
-                fresh = edgerun.load(str(spec_t), draft=str(spec_d) if drafter == "pair" else "lookup", **load)
+            def fresh(draft):       # a new Runtime, as a new CLI process has (cold context, tuner from disk)
+                rt_new = edgerun.load(str(spec_t), draft=draft, **load)
                 try:
-                    return edgerun_run(fresh, p, n, temp, None)
+                    return edgerun_run(rt_new, p, n, temp, None)
                 finally:
-                    fresh.close()
-            systems.append(("edgerun auto", auto))
+                    rt_new.close()
+            systems.append(("edgerun plain, fresh", lambda: fresh("none")))
+            systems.append(("edgerun auto", lambda: fresh(str(spec_d) if drafter == "pair" else "lookup")))
             for sys_name, fn in systems:
                 r = fn()
                 r.update(workload=w, system=sys_name, round=rnd)
@@ -251,8 +254,8 @@ def summarise(runs: list[dict], names: list[str]) -> dict:
         med = {s: statistics.median(v) for s, v in rows.items()}
         base = med.get("llama.cpp plain, registry")
         out[w] = {s: {"tok_s": m, "x_registry_llamacpp": m / base if base else None} for s, m in med.items()}
-        if "edgerun auto" in med and "edgerun plain" in med:
-            out[w]["auto/plain"] = med["edgerun auto"] / med["edgerun plain"]
+        if "edgerun auto" in med and "edgerun plain, fresh" in med:
+            out[w]["auto/plain"] = med["edgerun auto"] / med["edgerun plain, fresh"]   # both a fresh Runtime
         if "edgerun auto" in med and "llama.cpp speculative" in med:
             out[w]["auto/llama.cpp speculative"] = med["edgerun auto"] / med["llama.cpp speculative"]
         if "edgerun plain" in med and "llama.cpp plain, spec" in med:

@@ -58,12 +58,13 @@ def _engine_version() -> str:
 
 
 def measure_verify_curve(target, *, n_max: int = N_MAX, reps: int = 3, context: int = 64) -> list[float]:
-    """Median seconds of target.eval(n tokens, logits for all n) after `context` cached tokens, n = 1..n_max.
+    """Fastest seconds (of `reps`) of target.eval(n tokens, logits for all n) after `context` cached tokens,
+    n = 1..n_max (other work only ever adds time; the tuner's load factor follows the machine's current speed).
 
     The n values are interleaved within each repetition so that machine load affects all alike.
     The target's cache is left empty.
     """
-    return [float(x) for x in np.median(measure_verify_times(target, n_max=n_max, reps=reps, context=context), axis=0)]
+    return [float(x) for x in measure_verify_times(target, n_max=n_max, reps=reps, context=context).min(axis=0)]
 
 
 def unsteady(times: np.ndarray, spread: float = 1.5) -> bool:
@@ -94,7 +95,7 @@ def measure_verify_times(target, *, n_max: int = N_MAX, reps: int = 3, context: 
 
 
 def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, context: int = 64) -> float:
-    """Median seconds per drafted token of drafter.propose(context, gamma) (greedy), after a warm-up
+    """Fastest seconds per drafted token of drafter.propose(context, gamma) (greedy), after a warm-up
     call; each call rolls the drafter back to the context and evaluates the last context token again,
     as the decode loop's catch-up does."""
     ctx = _probe_tokens(target, context)
@@ -109,7 +110,7 @@ def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, contex
     be = getattr(drafter, "backend", None)
     if be is not None:
         be.truncate(0)
-    return float(np.median(per_token))
+    return float(np.min(per_token))           # noise only adds time: the fastest call
 
 
 def _model_id(backend) -> str | None:
@@ -149,7 +150,7 @@ def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_
     else:
         log.info("measuring the target's verify cost curve (n = 1..%d); cached for next time", n_max)
         times = measure_verify_times(target, n_max=n_max, reps=reps)
-        tv = [float(x) for x in np.median(times, axis=0)]
+        tv = [float(x) for x in times.min(axis=0)]     # noise only adds time: the fastest repetition
         if tpath and (_busy() or unsteady(times)):
             log.warning("the machine was busy (load average %.1f; repetitions %s) while measuring the cost curve: "
                         "not caching it; the gamma tuner corrects the costs online", os.getloadavg()[0],

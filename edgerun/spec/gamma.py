@@ -296,20 +296,23 @@ class GammaTuner:
             self._since_explore[c] = 0
         g = cur
         self._since_explore[c] += 1
-        if g == 0 and not self._could_win():
-            pass              # even perfect acceptance would not beat plain decoding: never draft
-        elif (g == 0 and self._n_drafting[c] < self.settings.warmup_cycles
-              and self._n_drafting.sum() < self.settings.warmup_total):
+        can_win = g > 0 or self._could_win()
+        probe_g = 1 if can_win else self._favoured_gamma()
+        if (g == 0 and can_win and self._n_drafting[c] < self.settings.warmup_cycles
+                and self._n_drafting.sum() < self.settings.warmup_total):
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
             g = self.warmup_gamma or self._favoured_gamma()
-        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap()):
+        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap(probe_g)):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
-            # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle)
+            # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle).
+            # Where the curve says even perfect acceptance cannot win, the draft is the length the curve
+            # favours, as rarely as the budget allows: its verify time corrects a curve measured wrong
+            # (a probe on a contended machine) instead of leaving speculation off for good.
             self._since_explore[c] = 0
             self._exploring = True
             self.n_explored += 1
-            g = 1
+            g = probe_g
         elif g > 0 and self._since_explore[c] >= self._explore_interval[c]:
             # speculation is on: plain or a neighbouring gamma, ever rarer while the choice stands,
             # keeps T_verify honest there
@@ -386,11 +389,11 @@ class GammaTuner:
         tokens = (1.0 - WARMUP_ALPHA ** (g + 1)) / (1.0 - WARMUP_ALPHA)            # Leviathan's E[tokens]
         return int(g[np.argmax(tokens / (g * self.t_draft() + self._tv_table()[1:]))])
 
-    def _off_gap(self) -> float:
-        """Plain cycles between exploratory one-token drafts so that a losing draft costs at most
-        explore_budget of the decode time: (T_draft + T_verify(2) - T_verify(1)) / (budget x T_verify(1))."""
+    def _off_gap(self, g: int = 1) -> float:
+        """Plain cycles between exploratory g-token drafts so that a losing draft costs at most
+        explore_budget of the decode time: (g T_draft + T_verify(g + 1) - T_verify(1)) / (budget x T_verify(1))."""
         tv = self._tv_table()
-        loss = max(self.t_draft() + tv[1] - tv[0], 0.0)
+        loss = max(g * self.t_draft() + tv[g] - tv[0], 0.0)
         return loss / (self.settings.explore_budget * tv[0])
 
     def _could_win(self) -> bool:
