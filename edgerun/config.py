@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from .errors import InvalidArgument
 
 DEFAULT_MODEL = "smollm2-135m-instruct"   # what `edgerun chat` and edgerun.load() run when no model is named
 GAMMA_LIMIT = 32  # drafting more than this per cycle is never useful and is refused
+MIN_TEMPERATURE = 1e-3    # below this, logits / T overflow float64 for ordinary logits: sampled as greedy
+REPEAT_PENALTY_RANGE = (1e-3, 1e3)   # outside, logits x penalty overflow or vanish
+THREADS_PER_CPU = 4       # n_threads above this many per logical CPU is refused (llama.cpp crashes far above)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -39,17 +43,19 @@ class SamplingArgs:
                f"top_p must be in (0, 1], got {p!r}")
         _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1,
                f"min_p must be in [0, 1), got {self.min_p!r}")
-        _check(isinstance(self.repeat_penalty, (int, float)) and math.isfinite(self.repeat_penalty)
-               and self.repeat_penalty > 0,
-               f"repeat_penalty must be a finite number > 0 (1.0 disables it), got {self.repeat_penalty!r}")
+        lo, hi = REPEAT_PENALTY_RANGE
+        _check(isinstance(self.repeat_penalty, (int, float)) and lo <= self.repeat_penalty <= hi,
+               f"repeat_penalty must be a number in [{lo:g}, {hi:g}] (1.0 disables it), got {self.repeat_penalty!r}")
         _check(isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0,
                f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}")
-        _check(self.seed is None or isinstance(self.seed, int),
-               f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and 0 <= self.seed < 2 ** 63),
+               f"seed must be an integer in 0..2^63-1 (or unset for a random one), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small (< MIN_TEMPERATURE) that sampling is argmax to float precision."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,10 @@ class BackendArgs:
 
     def __post_init__(self) -> None:
         _check(isinstance(self.n_ctx, int) and self.n_ctx >= 16, f"n_ctx must be an integer >= 16, got {self.n_ctx!r}")
-        _check(self.n_threads is None or (isinstance(self.n_threads, int) and self.n_threads >= 1),
-               f"n_threads must be a positive integer, got {self.n_threads!r}")
+        cap = THREADS_PER_CPU * (os.cpu_count() or 1)
+        _check(self.n_threads is None or (isinstance(self.n_threads, int) and 1 <= self.n_threads <= cap),
+               f"n_threads must be an integer in 1..{cap} ({THREADS_PER_CPU} per logical CPU here), "
+               f"got {self.n_threads!r}")
         _check(isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}")
 
 

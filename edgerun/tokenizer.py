@@ -88,7 +88,11 @@ class Tokenizer:
     # -- text <-> tokens ----------------------------------------------------------------------
     def tokenize(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
         lib = llama_lib.lib()
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:    # a lone surrogate (JSON "\ud800", or invalid UTF-8 bytes from argv)
+            raise InvalidArgument(f"the text is not valid Unicode: {text[e.start:e.end]!a} at character {e.start} "
+                                  "(a lone surrogate, or bytes that are not UTF-8); expected UTF-8 text") from None
         add = self.add_bos if add_bos is None else add_bos
         n_max = len(data) + 8
         buf = (ctypes.c_int32 * n_max)()

@@ -102,3 +102,11 @@ def test_chat_drops_oldest_turns_when_context_is_full(runner, tiny_llama):
                              "--profile", "generic-x86_64-cpu", "--ctx", "256"], input=script)
     assert r.exit_code == 0, r.output
     assert "dropped the oldest turn" in r.stderr and "error" not in r.stderr
+
+
+def test_invalid_utf8_prompts_get_one_line_not_a_traceback(runner, tiny_llama):
+    """Issue 20, defect 2: invalid UTF-8 on argv (surrogate-escaped by Python) and a lone surrogate."""
+    for prompt in ("\udcff\udcfeabc", "a\ud800b"):
+        r = runner.invoke(main, ["generate", prompt, "--model", str(tiny_llama), "-n", "2"])
+        assert r.exit_code == 2 and r.output.startswith("error: ") and "not valid Unicode" in r.output, r.output
+        assert "Traceback" not in r.output

@@ -222,3 +222,16 @@ def test_watchdog_interval_is_half_of_watchdog_usec():
     assert wi({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": str(os.getpid())}) == 30.0
     assert wi({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "1"}) is None       # meant for another process
     assert wi({"WATCHDOG_USEC": "soon"}) is None and wi({"WATCHDOG_USEC": "0"}) is None
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--shutdown-grace", "inf"], "shutdown grace must be a finite"),
+    (["--timeout", "inf"], "timeout must be a finite"),
+    (["--api-key="], "api_key must not be empty"),
+    (["--api-key", "   "], "api_key must not be empty or white space"),
+])
+def test_serve_settings_that_used_to_crash_or_open_the_api_are_refused(argv, needle):
+    """Issue 20: `--shutdown-grace inf` was a traceback; an empty --api-key= silently meant no auth."""
+    r = CliRunner().invoke(main, ["serve", "--no-pull", "--port", "0", *argv])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and needle in r.output, r.output
+    assert "Traceback" not in r.output

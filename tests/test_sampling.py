@@ -68,3 +68,62 @@ def test_sample_follows_distribution():
 def test_invalid_values_are_refused(kw):
     with pytest.raises(InvalidArgument):
         SamplingArgs(**kw)
+
+
+# --- issue 20, defects 4, 6, 8: inputs that used to crash or sample garbage -------------------------
+
+@pytest.mark.parametrize("t", [5e-324, 1e-310, 1e-5])
+def test_subnormal_and_tiny_temperatures_sample_the_greedy_token(t):
+    from edgerun.config import SamplingArgs
+
+    logits = np.array([1.0, 3.0, 2.0, -1.0], dtype=np.float32)
+    s = SamplingArgs(temperature=t, top_k=0, top_p=1.0, min_p=0.0)
+    assert s.greedy
+    p = probs(logits, s)
+    assert np.isfinite(p).all() and p.argmax() == 1 and p[1] == 1.0
+
+
+def test_the_sampler_never_samples_from_a_non_finite_distribution(caplog):
+    from edgerun.config import SamplingArgs
+
+    logits = np.array([0.0, np.inf, 1.0], dtype=np.float32)          # a backend gone wrong
+    p = probs(logits, SamplingArgs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0))
+    assert np.isfinite(p).all() and p.sum() == 1.0 and p.argmax() == 1
+    assert "non-finite" in caplog.text
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(repeat_penalty=1e-308), "repeat_penalty"), (dict(repeat_penalty=1e308), "repeat_penalty"),
+    (dict(seed=-1), "seed"), (dict(seed=2 ** 64), "seed"),
+])
+def test_sampling_values_that_overflow_are_refused(kw, needle):
+    from edgerun.config import SamplingArgs
+    from edgerun.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match=needle):
+        SamplingArgs(**kw)
+
+
+def test_thread_counts_are_bounded():
+    import os
+
+    from edgerun.config import BackendArgs
+    from edgerun.errors import InvalidArgument
+
+    BackendArgs(n_threads=os.cpu_count())
+    with pytest.raises(InvalidArgument, match="n_threads must be an integer in 1.."):
+        BackendArgs(n_threads=100000)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seed", "-1"], "seed must be"), (["--threads", "100000"], "n_threads must be"),
+    (["--repeat-penalty", "1e-308"], "repeat_penalty must be"),
+])
+def test_cli_refuses_them_with_one_line(tiny_llama, argv, needle):
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+
+    r = CliRunner().invoke(main, ["generate", "hello", "--model", str(tiny_llama), "-n", "2", *argv])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and needle in r.output, r.output
+    assert "Traceback" not in r.output

@@ -241,6 +241,11 @@ BAD_INPUTS = [
     ("prompt-over-context", CHAT, {"messages": [{"role": "user", "content": "hello " * 300}]}, 400,
      "context_length_exceeded", None),
     ("completion-over-context", COMPL, {"prompt": "hello " * 300}, 400, "context_length_exceeded", None),
+    # issue 20, defect 2: a lone surrogate was a 500
+    ("lone-surrogate-chat", CHAT, {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "invalid_value", None),
+    ("lone-surrogate-system", CHAT, {"messages": [{"role": "system", "content": "\ud800"}, *MSGS]}, 400,
+     "invalid_value", None),
+    ("lone-surrogate-prompt", COMPL, {"prompt": "\udfff"}, 400, "invalid_value", None),
 ]
 
 
@@ -249,7 +254,8 @@ def test_bad_input(http, model, path, body, status, code, param):
     valid = {"model": model, "max_tokens": 4, **({"messages": MSGS} if path == CHAT else {"prompt": "hi"})}
     if isinstance(body, dict):
         payload = {k: v for k, v in {**valid, **body}.items() if v is not None}
-        r = http.post(path, json=payload)
+        # json.dumps escapes non-ASCII (\ud800 stays an escape, as a client's JSON would carry it)
+        r = http.post(path, content=json.dumps(payload), headers={"content-type": "application/json"})
     elif body == "NaN":
         r = http.post(path, content=json.dumps(valid)[:-1] + ', "temperature": NaN}',
                       headers={"content-type": "application/json"})

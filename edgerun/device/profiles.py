@@ -247,6 +247,8 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     s = str(name_or_path)
     as_path = Path(s).expanduser()
     if s.endswith((".yaml", ".yml")) or os.sep in s or as_path.is_file():
+        if as_path.is_dir():
+            raise ProfileError(f"profile {as_path} is a directory; expected a profile YAML file")
         if not as_path.is_file():
             raise ProfileError(f"profile file {as_path} does not exist")
         return _load_file(as_path, files)

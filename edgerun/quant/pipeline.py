@@ -35,6 +35,7 @@ from ..errors import InvalidArgument, QuantizationError
 from ..formats.gguf import KV, GGUFSource, TensorPlan, hparam_kv, source_kv, write_gguf
 from ..formats.hf import HFSource
 from ..formats import open_source
+from ..util.atomic import check_destination
 from ..reference.llama import block_forward
 from . import awq
 from . import formats as F
@@ -237,6 +238,10 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
     elif options:
         raise InvalidArgument(f"pass either a QuantArgs or keyword options, not both (got {sorted(options)})")
     t0 = time.perf_counter()
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise QuantizationError(f"{out} is a directory; expected an output .gguf file path")
+    check_destination(out)          # before the work: never replace a device node, FIFO or symlink
     if args.format not in FILE_TYPE:
         raise QuantizationError(f"target format {args.format!r} is not supported; expected one of {sorted(FILE_TYPE)}")
     spec = os.fspath(source)

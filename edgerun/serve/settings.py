@@ -8,6 +8,7 @@ writes deploy/edgerun.env (a test keeps the committed file equal to it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,14 +45,15 @@ class ServerConfig:
             raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
         if not isinstance(self.queue, int) or self.queue < 0:
             raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
-        if not self.timeout_s > 0:
-            raise InvalidArgument(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {self.timeout_s!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
-        if not self.shutdown_grace_s >= 0:
-            raise InvalidArgument(f"shutdown grace must be >= 0 seconds, got {self.shutdown_grace_s!r}")
-        if self.api_key is not None and not self.api_key:
-            raise InvalidArgument("api_key must not be empty (leave it unset to disable authentication)")
+        if not (self.shutdown_grace_s >= 0 and math.isfinite(self.shutdown_grace_s)):
+            raise InvalidArgument(f"shutdown grace must be a finite number of seconds >= 0, got {self.shutdown_grace_s!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise InvalidArgument("api_key must not be empty or white space (an empty --api-key= or EDGERUN_API_KEY= "
+                                  "would silently mean no authentication; leave it unset to disable authentication)")
 
 
 def _same(v: Any) -> Any:
@@ -99,8 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
                      'set EDGERUN_API_KEY as well then (clients send "Authorization: Bearer <key>").')),
     Setting("port", ("--port",), "EDGERUN_PORT", "", type=click.IntRange(0, 65535), default=8080, env_value="8080"),
     Setting("api_key", ("--api-key",), "EDGERUN_API_KEY",
-            "Require 'Authorization: Bearer KEY' on every endpoint but /health.", env_example="change-me",
-            to_config=lambda v: v or None),
+            "Require 'Authorization: Bearer KEY' on every endpoint but /health.", env_example="change-me"),
     Setting("queue", ("--queue",), "EDGERUN_QUEUE",
             "Requests allowed to wait behind the running one; more get 503 + Retry-After.",
             type=click.IntRange(0, None), default=8, env_value="8",

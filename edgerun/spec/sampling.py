@@ -7,11 +7,14 @@ Order (as llama.cpp's default chain): repetition penalty, top-k, temperature, to
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
 
 from ..config import SamplingArgs
+
+log = logging.getLogger(__name__)
 
 
 def apply_repeat_penalty(logits: np.ndarray, context: Sequence[int], sampling: SamplingArgs) -> np.ndarray:
@@ -50,9 +53,10 @@ def probs(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = (
     else:
         idx = np.arange(V)
     z = x[idx].astype(np.float64) / sampling.temperature
-    z = z - z.max()
-    w = np.exp(z)
-    w /= w.sum()
+    with np.errstate(invalid="ignore", over="ignore"):      # non-finite logits are caught below
+        z = z - z.max()
+        w = np.exp(z)
+        w /= w.sum()
     keep = np.ones(len(idx), dtype=bool)
     if sampling.top_p < 1.0:
         order = np.argsort(-w, kind="stable")
@@ -64,7 +68,13 @@ def probs(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = (
     if sampling.min_p > 0.0:
         keep &= w >= sampling.min_p * w.max()
     w = np.where(keep, w, 0.0)
-    out[idx] = w / w.sum()
+    total = w.sum()
+    if not (np.isfinite(total) and total > 0):      # never sample from a non-finite distribution
+        log.warning("non-finite probabilities (temperature %g); taking the greedy token", sampling.temperature)
+        out[:] = 0.0
+        out[greedy_token(logits, sampling, context)] = 1.0
+        return out
+    out[idx] = w / total
     return out
 
 

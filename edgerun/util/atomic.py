@@ -11,9 +11,12 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+from ..errors import InvalidArgument
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -36,12 +39,26 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def check_destination(dest: Path) -> None:
+    """An existing destination must be a regular file: a rename would replace a device node, a FIFO, a
+    socket or a symlink (as root, OUT=/dev/null would replace /dev/null)."""
+    try:
+        st = os.lstat(dest)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symbolic link" if stat.S_ISLNK(st.st_mode) \
+            else "not a regular file (a device, FIFO or socket)"
+        raise InvalidArgument(f"{dest} exists and is {kind}; expected a new path or a regular file to replace")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, suffix: str = ".part", mode: int = 0o644,
                 prefix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; when the block ends normally, the file written there becomes
     `path` (fsync, chmod `mode`, rename, fsync of the folder). An exception removes it and propagates."""
     dest = Path(path)
+    check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=prefix or f".{dest.name}.", suffix=suffix, dir=dest.parent)
     os.close(fd)
@@ -70,6 +87,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a new temporary folder beside `path`; when the block ends normally its files are fsynced and it
     replaces `path` (an empty folder, an earlier copy, or nothing). An exception removes it."""
     dest = Path(path)
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise InvalidArgument(f"{dest} exists and is not a directory; expected a new or empty directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:

@@ -5,6 +5,7 @@ and a value of the wrong type are errors of one shape, naming the file and the d
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import types
 import typing
@@ -15,8 +16,19 @@ from typing import Any
 import yaml
 
 
+MAX_BYTES = 1 << 20      # a manifest or profile is a few KB; anything near this is not one
+
+
 class StrictLoader(yaml.SafeLoader):
-    """SafeLoader that raises on a duplicate mapping key."""
+    """SafeLoader that raises on a duplicate mapping key and refuses aliases (*name): nothing edgerun reads
+    needs them, and nested aliases expand exponentially (a few hundred bytes can exhaust memory)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not allowed here; "
+                                              "write the value out", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -40,10 +52,18 @@ def load(text: str):
 
 def read_mapping(path: Path, error: type[Exception], what: str) -> dict:
     """The top-level mapping of a YAML file; `error` (naming the file) when it cannot be read or parsed."""
+    p = Path(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        if p.is_dir():
+            raise error(f"{what} {path} is a directory; expected a YAML file")
+        size = p.stat().st_size
+        if size > MAX_BYTES:
+            raise error(f"{what} {path} is {size} bytes; a {what} file is at most {MAX_BYTES} bytes")
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise error(f"cannot read {what} {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not UTF-8 text (byte {e.start}); expected a YAML file") from None
     try:
         data = load(text)
     except yaml.YAMLError as e:
@@ -139,14 +159,17 @@ class _Builder:
                 return value
             raise self.fail(f"{where} must be an integer, got {_short(value)}")
         if tp is float:
+            x = None
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if isinstance(value, str):      # PyYAML reads 1e-5 (no dot) as a string: convert explicitly
+                x = float(value)
+            elif isinstance(value, str):    # PyYAML reads 1e-5 (no dot) as a string: convert explicitly
                 try:
-                    return float(value)
+                    x = float(value)
                 except ValueError:
                     pass
-            raise self.fail(f"{where} must be a number, got {_short(value)}")
+            if x is None or not math.isfinite(x):
+                raise self.fail(f"{where} must be a number (finite), got {_short(value)}")
+            return x
         if tp is str:
             if isinstance(value, str):
                 return value
