@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 
 import click
@@ -16,6 +17,15 @@ from .config import DEFAULT_MODEL
 from .errors import EdgerunError
 from .serve import settings as serve_settings
 
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends a long write (quantize, export) through SystemExit, so its `finally` blocks remove the
+    temporary file (the default action kills the process with the file left behind)."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 class _Group(click.Group):
@@ -482,6 +492,7 @@ def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no
     from .config import QuantArgs
     from .quant.pipeline import quantize as run
 
+    _exit_on_sigterm()
     args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
                      grid=grid)
 
@@ -585,6 +596,7 @@ def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_j
     from .onnx.layout import read_config
     from .registry.cache import resolve_model
 
+    _exit_on_sigterm()
     src = Path(source) if Path(source).exists() else resolve_model(source, pull=not no_pull)
     out = export_onnx(src, out_dir, n_ctx=n_ctx, accuracy_level=accuracy_level, force=force,
                       progress=None if as_json else (lambda msg: click.echo(msg, err=True)))

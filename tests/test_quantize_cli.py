@@ -203,3 +203,38 @@ def test_an_existing_out_that_is_not_a_regular_file_is_refused_and_left_alone(sr
     r = run("quantize", src, link, "--method", "rtn")
     assert r.exit_code == 2 and "symbolic link" in r.output
     assert link.is_symlink() and target.read_text() == "keep me"
+
+
+def test_a_dead_writers_temporary_is_removed_and_a_live_ones_kept(src, tmp_path):
+    """Issue 20: a SIGKILLed quantize left a .part of tens of MB that nothing cleaned."""
+    import os
+
+    out = tmp_path / "o.gguf"
+    dead = tmp_path / f".o.gguf.{2 ** 22 + 12345}.abcd.part"          # no such pid (above pid_max's default)
+    live = tmp_path / f".o.gguf.{os.getppid()}.efgh.part"             # a live process (our parent) owns it
+    dead.write_bytes(b"x" * 1000)
+    live.write_bytes(b"y")
+    r = run("quantize", src, out, "--method", "rtn")
+    assert r.exit_code == 0, r.output
+    assert not dead.exists() and live.exists() and out.is_file()
+
+
+def test_sigterm_mid_quantize_leaves_no_temporary(tiny_model_factory, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    slow = tiny_model_factory(arch="llama", n_layer=24, n_embd=128, n_ff=256, seed=5)   # several seconds of AWQ
+    out = tmp_path / "t.gguf"
+    cmd = [sys.executable, "-c", "from edgerun.cli import main; main()", "quantize", str(slow), str(out),
+           "--calib-tokens", "4096", "--grid", "40"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not list(tmp_path.glob(".t.gguf.*.part")) and p.poll() is None and time.time() - t0 < 120:
+        time.sleep(0.05)
+    assert p.poll() is None, "quantize finished before it could be interrupted"
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr.read()[-2000:]
+    assert not out.exists() and not list(tmp_path.glob(".t.gguf*"))

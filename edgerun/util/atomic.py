@@ -52,6 +52,31 @@ def check_destination(dest: Path) -> None:
         raise InvalidArgument(f"{dest} exists and is {kind}; expected a new path or a regular file to replace")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # someone else's live process
+        return True
+    return True
+
+
+def remove_stale(dest: Path, suffix: str = ".part") -> list[Path]:
+    """Remove temporaries of `dest` left by a killed writer: `.{name}.{pid}.*{suffix}` whose process is gone
+    (a SIGKILLed quantize or export runs no cleanup). Temporaries of live processes stay."""
+    removed = []
+    for p in dest.parent.glob(f".{dest.name}.*{suffix}"):
+        pid = p.name[len(dest.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, suffix: str = ".part", mode: int = 0o644,
                 prefix: str | None = None) -> Iterator[Path]:
@@ -60,7 +85,9 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = ".part", mode: int = 0
     dest = Path(path)
     check_destination(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=prefix or f".{dest.name}.", suffix=suffix, dir=dest.parent)
+    if prefix is None:            # the writer's pid in the name: a later writer can tell a dead one's leftovers
+        remove_stale(dest, suffix)
+    fd, name = tempfile.mkstemp(prefix=prefix or f".{dest.name}.{os.getpid()}.", suffix=suffix, dir=dest.parent)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -90,7 +117,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise InvalidArgument(f"{dest} exists and is not a directory; expected a new or empty directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    remove_stale(dest, ".tmpdir")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmpdir", dir=dest.parent))
     try:
         yield tmp
         for f in tmp.iterdir():
