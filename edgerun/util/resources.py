@@ -26,7 +26,3 @@ def data_dir(folder: str) -> Path:
         return checkout / folder
     raise EdgerunError(f"edgerun's {folder}/ folder is missing (looked in {packaged} and {checkout / folder}); "
                        "the installation is incomplete: reinstall edgerun")
-
-
-def data_file(folder: str, name: str) -> Path:
-    return data_dir(folder) / name

@@ -73,10 +73,6 @@ def read_mapping(path: Path, error: type[Exception], what: str) -> dict:
     return data
 
 
-def keys_of(cls: type, exclude: abc.Container[str] = ()) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
-
-
 def build(cls: type, data: Any, *, path: Path, error: type[Exception], where: str = "",
           exclude: abc.Container[str] = ()) -> Any:
     """An instance of dataclass `cls` from a YAML mapping, every value checked against its annotation
