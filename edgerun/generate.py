@@ -5,6 +5,11 @@ Each cycle:  draft gamma tokens -> ONE target eval of [pending] + draft (gamma +
 `pending` is the last committed token, not yet in the target's KV cache; the target cache
 always holds `committed[:-1]` between cycles, and the `finally` restores that invariant
 (rollback) whatever happens: an exception, a stop string, or a consumer that closes the stream.
+
+With a constraint (a grammar), every verified position's logits are masked with the grammar state
+after the tokens before it, for the drafter (while drafting, which advances the constraint over the
+drafts) and for the target alike; the rejected drafts are rolled back out of the constraint with
+the KV cache, so after every cycle it holds exactly the committed tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import numpy as np
 
 from .backends.base import Backend, common_prefix
 from .config import SamplingArgs
-from .errors import ContextOverflow, InvalidArgument
+from .constrain.base import Constraint, apply_mask
+from .errors import BackendError, ContextOverflow, InvalidArgument
 from .spec.gamma import FixedGamma, GammaPolicy
 from .spec.sampling import greedy_token, penalised, probs
 from .spec.verify import verify, verify_greedy
@@ -169,12 +175,14 @@ def generate(
     rng: np.random.Generator | None = None,
     stats: GenStats | None = None,
     is_eog: Callable[[int], bool] | None = None,
+    constraint: Constraint | None = None,
 ) -> Iterator[Step]:
     """Generate up to max_tokens tokens after prompt_tokens, yielding one Step per committed token.
 
     drafter: None (plain decoding) or a Drafter (spec/drafters.py). policy: chooses gamma per cycle
     (spec/gamma.py: FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends
-    generation (default: the tokenizer's end-of-generation tokens).
+    generation (default: the tokenizer's end-of-generation tokens). constraint: a grammar the output
+    must follow (constrain/); it is reset here and follows this generation's tokens.
     """
     if max_tokens < 0:
         raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
@@ -193,6 +201,8 @@ def generate(
     is_eog = is_eog or target.tokenizer.is_eog
     penalise = penalised(sampling)
     releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
+    if constraint is not None:
+        constraint.reset()
 
     t_start = time.perf_counter()
     committed = list(prompt_tokens)            # committed[-1] is `pending`: not yet in the target cache
@@ -238,10 +248,16 @@ def generate(
             if drafter is not None:
                 gamma = min(policy.choose(drafter.hint(committed)), limit - len(committed) - 1, room)
             t0 = time.perf_counter()
-            draft, q = drafter.propose(committed, gamma, sampling, rng) if gamma > 0 else ([], None)
+            base = len(committed) - stats.n_prompt_tokens      # generated tokens: what the constraint holds
+            draft, q = drafter.propose(committed, gamma, sampling, rng, constraint) if gamma > 0 else ([], None)
             gamma = len(draft)
+            if constraint is not None and len(constraint.tokens) != base + gamma:
+                raise BackendError(f"drafter {drafter.name} did not advance the constraint over its "
+                                   f"{gamma} drafted tokens")
             t1 = time.perf_counter()
             logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
+            if constraint is not None:         # position i: the grammar state after committed + draft[:i]
+                logits = [apply_mask(logits[i], constraint.mask_at(base + i)) for i in range(gamma + 1)]
 
             def context_at(i: int) -> list[int]:          # what the repetition penalty sees at position i
                 return committed if i == 0 or not penalise else committed + draft[:i]
@@ -258,6 +274,10 @@ def generate(
             t2 = time.perf_counter()
             # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts
             target.truncate(len(committed) + n_acc)
+            if constraint is not None:
+                constraint.rollback(gamma - n_acc)
+                if not is_eog(nxt):
+                    constraint.consume(nxt)
             policy.observe(gamma, n_acc, t1 - t0, t2 - t1)
             stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
             finish = yield from commit([*draft[:n_acc], nxt], n_acc, gamma, t1 - t0, t2 - t1)
@@ -265,6 +285,9 @@ def generate(
         if finish != "stop":
             yield from releaser.flush()
     finally:
-        # rollback: the target cache holds exactly the committed tokens minus pending
+        # rollback: the target cache holds exactly the committed tokens minus pending, the constraint
+        # exactly the committed generated tokens
         target.truncate(min(target.n_past, len(committed) - 1))
+        if constraint is not None:
+            constraint.truncate(len(committed) - stats.n_prompt_tokens)
         stats.t_total_s = time.perf_counter() - t_start

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Sequence
@@ -26,6 +27,16 @@ _PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
 )
+
+
+# llama_token_attr bits (llama.h): UNDEFINED = 0, UNUSED = 1 << 1
+_ATTR_UNUSED = 1 << 1
+_PAD_TEXT = re.compile(r"^(\[PAD\d+\]|<\|?pad(_?\d+)?\|?>|<unused\d+>)$", re.IGNORECASE)
+
+
+def is_padding(text: str, attr: int) -> bool:
+    """A vocabulary row that is padding, never a real token (Qwen2.5 pads 151,665 tokens to 151,936 rows)."""
+    return attr == 0 or bool(attr & _ATTR_UNUSED) or bool(_PAD_TEXT.match(text))
 
 
 def vocab_fingerprint(texts: Sequence[str], types: Sequence[int], bos: int, eos: int) -> str:
@@ -116,6 +127,16 @@ class Tokenizer:
             piece = buf.raw[:n]
             self._pieces[token] = piece
         return piece
+
+    def special_bytes(self, token: int) -> bytes:
+        """The bytes of a token with control tokens rendered as their text (e.g. b"<|im_end|>")."""
+        lib = llama_lib.lib()
+        buf = ctypes.create_string_buffer(256)
+        n = lib.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, True)
+        return buf.raw[:n]
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         return b"".join(self.token_bytes(t) for t in tokens)

@@ -1,9 +1,13 @@
 """Drafters: what proposes the tokens the target verifies. A model on its own backend, or prompt lookup.
 
-A drafter's `propose(context, gamma, sampling, rng)` returns (tokens, q): up to gamma drafted tokens
-and q [len(tokens), V_target], the probabilities each token was drawn from (after the same sampling
-transforms the target gets), or q None when the drafter is a deterministic function of the context
-(verify then treats it as a point mass). A drafter keeps its own state in step lazily: every call
+A drafter's `propose(context, gamma, sampling, rng, constraint)` returns (tokens, q): up to gamma
+drafted tokens and q [len(tokens), V_target], the probabilities each token was drawn from (after the
+same sampling transforms the target gets), or q None when the drafter is a deterministic function of
+the context (verify then treats it as a point mass). With a constraint (a grammar), a model drafter
+masks each position's logits with the grammar state after the drafts before it and consumes each
+drafted token into the constraint; a point-mass drafter cuts its draft at the first token the
+grammar forbids (cutting a deterministic draft changes nothing; cutting a sampled one would bias the
+output). Drafts never hold an end-of-generation token under a constraint. A drafter keeps its own state in step lazily: every call
 receives the whole committed context and first rolls back to the common prefix.
 
 Before each cycle the loop asks `hint(context)`: None when the drafter has nothing to offer for this
@@ -15,7 +19,6 @@ tuner keeps one acceptance model per class.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -23,14 +26,13 @@ import numpy as np
 
 from ..backends.base import Backend, common_prefix
 from ..config import BackendArgs, SamplingArgs, SpeculativeArgs
+from ..constrain.base import Constraint, apply_mask
 from ..errors import InvalidArgument, VocabMismatch
+from ..tokenizer import is_padding
 from .sampling import probs, sample
 
 log = logging.getLogger(__name__)
 
-# llama_token_attr bits (llama.h): UNDEFINED = 0, UNUSED = 1 << 1
-_ATTR_UNUSED = 1 << 1
-_PAD_TEXT = re.compile(r"^(\[PAD\d+\]|<\|?pad(_?\d+)?\|?>|<unused\d+>)$", re.IGNORECASE)
 
 
 @runtime_checkable
@@ -43,7 +45,8 @@ class Drafter(Protocol):
     def hint(self, context: Sequence[int]) -> int | None: ...
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]: ...
+                rng: np.random.Generator, constraint: Constraint | None = None
+                ) -> tuple[list[int], np.ndarray | None]: ...
 
     def reset(self) -> None: ...
 
@@ -51,10 +54,6 @@ class Drafter(Protocol):
 
 
 # ---------------------------------------------------------------------------------- vocabulary
-
-def _is_padding(text: str, attr: int) -> bool:
-    return attr == 0 or bool(attr & _ATTR_UNUSED) or bool(_PAD_TEXT.match(text))
-
 
 def shared_vocab(target: Backend, drafter: Backend) -> int:
     """Check that the drafter speaks the target's vocabulary; return how many leading ids they share.
@@ -84,7 +83,7 @@ def shared_vocab(target: Backend, drafter: Backend) -> int:
                 f"(type {t_types[i]}) in the target; {expect}")
     longer_texts, longer_types, who = (t_texts, t_types, target) if len(t_texts) > n else (d_texts, d_types, drafter)
     for i in range(n, len(longer_texts)):
-        if not _is_padding(longer_texts[i], longer_types[i]):
+        if not is_padding(longer_texts[i], longer_types[i]):
             raise VocabMismatch(
                 f"drafter {drafter.name} has {len(d_texts)} tokens and target {target.name} has "
                 f"{len(t_texts)}: token {i} {longer_texts[i]!r} of {who.name} is a real token, not "
@@ -144,7 +143,8 @@ class ModelDrafter:
         return float(1.0 / np.exp(x - m).sum())
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
-                rng: np.random.Generator) -> tuple[list[int], np.ndarray | None]:
+                rng: np.random.Generator, constraint: Constraint | None = None
+                ) -> tuple[list[int], np.ndarray | None]:
         be = self.backend
         ctx = list(context)
         gamma = min(gamma, be.n_ctx - len(ctx) + 1)     # the last drafted token is never evaluated
@@ -157,10 +157,17 @@ class ModelDrafter:
         tokens: list[int] = []
         rows: list[np.ndarray] = []
         for i in range(gamma):
+            if constraint is not None:
+                allowed = constraint.continuing_mask()          # the grammar after context + tokens
+                if not allowed.any():
+                    break                                        # only an end is allowed: nothing to draft
+                logits = apply_mask(logits, allowed)
             if self.p_min > 0.0 and self._top_prob(logits) < self.p_min:
                 break
             q = self._q(logits, sampling, ctx + tokens)
             x = sample(q, rng)
+            if constraint is not None:
+                constraint.consume(x)
             tokens.append(x)
             rows.append(q)
             if i + 1 < gamma:
@@ -245,7 +252,7 @@ class PromptLookupDrafter:
         return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
-                rng: np.random.Generator) -> tuple[list[int], None]:
+                rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], None]:
         if gamma <= 0:
             return [], None
         m = self._match(context)
@@ -257,6 +264,12 @@ class PromptLookupDrafter:
         out = list(context[start:start + gamma])
         while len(out) < gamma:
             out.append(out[len(out) - (L - start)])
+        if constraint is not None:                   # a point mass: cut at the first forbidden token
+            for i, x in enumerate(out):
+                if not constraint.continuing_mask()[x]:
+                    del out[i:]
+                    break
+                constraint.consume(x)
         return out, None
 
     def close(self) -> None:
