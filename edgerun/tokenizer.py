@@ -114,29 +114,25 @@ class Tokenizer:
             n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add, special)
         return list(buf[:n])
 
+    def _piece(self, token: int, special: bool) -> bytes:
+        lib = llama_lib.lib()
+        buf = ctypes.create_string_buffer(64)
+        n = lib.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token renders to (control tokens render as nothing)."""
         piece = self._pieces.get(token)
         if piece is None:
-            lib = llama_lib.lib()
-            buf = ctypes.create_string_buffer(64)
-            n = lib.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-            piece = buf.raw[:n]
-            self._pieces[token] = piece
+            piece = self._pieces[token] = self._piece(token, False)
         return piece
 
     def special_bytes(self, token: int) -> bytes:
         """The bytes of a token with control tokens rendered as their text (e.g. b"<|im_end|>")."""
-        lib = llama_lib.lib()
-        buf = ctypes.create_string_buffer(256)
-        n = lib.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, True)
-        return buf.raw[:n]
+        return self._piece(token, True)
 
     def detokenize(self, tokens: Sequence[int]) -> bytes:
         return b"".join(self.token_bytes(t) for t in tokens)

@@ -68,3 +68,26 @@ def tiny_llama(tiny_model_factory) -> Path:
 def tiny_qwen2(tiny_model_factory) -> Path:
     """Tiny qwen2-arch F32 GGUF with q/k/v biases and tied output."""
     return tiny_model_factory(arch="qwen2", wtype="f32", tied=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def peaked(tiny_model_factory):
+    """A target whose next-token distributions are peaked enough for a chi-square test over pairs
+    of tokens (output head x3), and a drafter that is a noisy copy of it (acceptance about 40%)."""
+    import numpy as np
+
+    from edgerun.reference.llama import ReferenceModel
+    from edgerun.tokenizer import Tokenizer
+
+    path = tiny_model_factory(arch="llama", wtype="f32", seed=0)
+    tok = Tokenizer.from_gguf(path)
+    base = ReferenceModel.from_gguf(path)
+
+    def variant(noise: float) -> "ReferenceModel":
+        t = dict(base.tensors)
+        w = t["output.weight"] * 3.0
+        w = w + noise * w.std() * np.random.default_rng(1).standard_normal(w.shape)
+        t["output.weight"] = w
+        return ReferenceModel.from_weights(base.cfg, t)
+
+    return variant(0.0), variant(1.0), tok

@@ -30,7 +30,6 @@ from edgerun.reference.llama import ReferenceModel
 from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter
 from edgerun.spec.gamma import FixedGamma
 from edgerun.spec.sampling import probs
-from edgerun.tokenizer import Tokenizer
 from test_verify import P_FAIL, P_PASS, chisquare_pooled
 
 GREEDY = SamplingArgs(temperature=0.0)
@@ -224,22 +223,12 @@ END = -1
 
 
 @pytest.fixture(scope="module")
-def letters(tiny_model_factory):
-    """A peaked target (output head x3), a noisy copy as drafter, and a grammar of two letters out of
-    four, chosen so that the drafter's unmasked favourite is forbidden while a good share of its
-    mass stays on allowed letters (whose masked shape differs from the target's)."""
-    path = tiny_model_factory(arch="llama", wtype="f32", seed=0)
-    tok = Tokenizer.from_gguf(path)
-    base = ReferenceModel.from_gguf(path)
-
-    def variant(noise: float) -> ReferenceModel:
-        t = dict(base.tensors)
-        w = t["output.weight"] * 3.0
-        w = w + noise * w.std() * np.random.default_rng(1).standard_normal(w.shape)
-        t["output.weight"] = w
-        return ReferenceModel.from_weights(base.cfg, t)
-
-    T, D = variant(0.0), variant(1.0)
+def letters(peaked):
+    """The peaked target of conftest.py (output head x3) and its noisy copy as drafter, and a
+    grammar of two letters out of four, chosen so that the drafter's unmasked favourite is forbidden
+    while a good share of its mass stays on allowed letters (whose masked shape differs from the
+    target's)."""
+    T, D, tok = peaked
     prompt = tok.tokenize("Hello there")
     q0 = probs(D.forward(prompt, D.new_cache())[-1], SETTINGS["t1"])
     p0 = probs(T.forward(prompt, T.new_cache())[-1], SETTINGS["t1"])

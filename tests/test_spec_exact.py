@@ -30,7 +30,6 @@ from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter
 from edgerun.spec.gamma import FixedGamma
 from edgerun.spec.sampling import probs
 from edgerun.spec.verify import verify
-from edgerun.tokenizer import Tokenizer
 from test_verify import P_FAIL, P_PASS, chisquare_pooled, wrong_residual
 
 GREEDY = SamplingArgs(temperature=0.0)
@@ -150,24 +149,6 @@ SETTINGS = {
     "t0.7-top_p0.9": SamplingArgs(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0),
 }
 N_SAMPLES = 1000
-
-
-@pytest.fixture(scope="module")
-def peaked(tiny_model_factory):
-    """A target whose next-token distributions are peaked enough for a chi-square test over pairs
-    of tokens (output head x3), and a drafter that is a noisy copy of it (acceptance about 40%)."""
-    path = tiny_model_factory(arch="llama", wtype="f32", seed=0)
-    tok = Tokenizer.from_gguf(path)
-    base = ReferenceModel.from_gguf(path)
-
-    def variant(noise: float) -> ReferenceModel:
-        t = dict(base.tensors)
-        w = t["output.weight"] * 3.0
-        w = w + noise * w.std() * np.random.default_rng(1).standard_normal(w.shape)
-        t["output.weight"] = w
-        return ReferenceModel.from_weights(base.cfg, t)
-
-    return variant(0.0), variant(1.0), tok
 
 
 def exact_pairs(model: ReferenceModel, prompt: list[int], sampling: SamplingArgs) -> np.ndarray:
