@@ -11,6 +11,10 @@ import numpy as np
 
 from .backends import model_memory, open_backend
 from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
+from .constrain.base import Constraint
+from .constrain.grammar import compile_constraint, grammar_from_options
+from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
+    special_tag_ids, tool_grammar
 from .errors import ContextOverflow, InvalidArgument
 from .generate import GenStats, Step, generate
 from .spec.gamma import FixedGamma, GammaPolicy, GammaTuner
@@ -25,14 +29,40 @@ _SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "r
 class Completion:
     text: str
     tokens: list[int]
-    finish_reason: str            # 'stop' (stop string) | 'eos' (end-of-generation token) | 'length'
+    finish_reason: str            # 'stop' (stop string) | 'eos' (end-of-generation token) | 'length' | 'tool_calls'
     n_prompt_tokens: int
     n_tokens: int
     stats: GenStats = field(default_factory=GenStats)
+    tool_calls: list[dict] | None = None     # OpenAI shape, arguments as a JSON string (chat with tools)
+    content: str | None = None               # the text outside the tool calls (chat with tools)
+
+    def message(self) -> dict:
+        """The assistant message, as OpenAI returns it (and as it goes back into `messages`)."""
+        if self.tool_calls:
+            return {"role": "assistant", "content": self.content, "tool_calls": self.tool_calls}
+        return {"role": "assistant", "content": self.text}
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "finish_reason": self.finish_reason, "n_prompt_tokens": self.n_prompt_tokens,
-                "n_tokens": self.n_tokens, **self.stats.to_dict()}
+        d = {"text": self.text, "finish_reason": self.finish_reason, "n_prompt_tokens": self.n_prompt_tokens,
+             "n_tokens": self.n_tokens, **self.stats.to_dict()}
+        if self.tool_calls:
+            d.update(tool_calls=self.tool_calls, content=self.content)
+        return d
+
+
+@dataclass
+class ChatPlan:
+    """What a chat request becomes before any token is generated: the prompt, the grammar (a JSON
+    schema, a grammar, or the tools' call grammar) and the tools to read calls back with."""
+
+    prompt_tokens: list[int]
+    constraint: Constraint | None = None
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = ToolChoice("none")
+
+    @property
+    def reads_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice.mode != "none"
 
 
 def parse_gamma(gamma) -> int | None:
@@ -105,10 +135,40 @@ class Runtime:
                 f"(at least one position must stay free to generate); shorten the prompt or raise --ctx")
 
     # -- generation ---------------------------------------------------------------------------
+    def constraint(self, *, json_schema=None, grammar: str | None = None, response_format=None) -> Constraint | None:
+        """The constraint of a JSON schema (dict or JSON text), a grammar (Lark with a `start:` rule, or
+        a regex) or an OpenAI response_format; None when none is given. Compile errors raise here."""
+        return compile_constraint(grammar_from_options(json_schema=json_schema, grammar=grammar,
+                                                       response_format=response_format),
+                                  self.tokenizer, self.target.n_vocab)
+
+    def plan_chat(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
+                  json_schema=None, grammar: str | None = None, response_format=None) -> ChatPlan:
+        """Render the prompt and compile the grammar of a chat request (InvalidArgument on bad input)."""
+        parsed = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, parsed)
+        shown = parsed if choice.mode != "none" else []
+        if shown and any(v is not None for v in (json_schema, grammar, response_format)) and \
+                not (isinstance(response_format, dict) and response_format.get("type") == "text"):
+            raise InvalidArgument("tools cannot be combined with json_schema, grammar or response_format: "
+                                  "a tool call's arguments follow the tool's own parameters schema")
+        knows = self.tokenizer.template_knows_tools
+        msgs = chat_messages(messages, shown, knows)
+        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None)
+        if shown:
+            g = tool_grammar(shown, choice, parallel=bool(parallel_tool_calls),
+                             special_ids=special_tag_ids(self.tokenizer))
+            constraint = compile_constraint(g, self.tokenizer, self.target.n_vocab)
+        else:
+            constraint = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
+        return ChatPlan(prompt, constraint, shown, choice)
+
     def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
-                      gamma=None, stats: GenStats | None = None, **sampling_kw) -> Iterator[Step]:
+                      gamma=None, stats: GenStats | None = None, constraint: Constraint | None = None,
+                      **sampling_kw) -> Iterator[Step]:
         """The decode loop on explicit prompt tokens. Arguments are checked now (errors raise here,
-        before the first token); closing the returned iterator cancels and rolls the caches back."""
+        before the first token); closing the returned iterator cancels and rolls the caches back.
+        constraint: from `constraint(...)` or `plan_chat(...)`: the output follows its grammar."""
         sampling = self.sampling_args(**sampling_kw)
         if isinstance(stop, str):
             stop = [stop]
@@ -117,24 +177,31 @@ class Runtime:
         self._check_prompt(prompt_tokens)
         policy = self._policy_for(gamma, sampling)
         stats = stats if stats is not None else GenStats()
-        return self._run(list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats)
+        return self._run(list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats, constraint)
 
-    def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats) -> Iterator[Step]:
+    def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
         rng = np.random.default_rng(sampling.seed)
         try:
             yield from generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
-                                drafter=self.drafter, policy=policy, rng=rng, stats=stats)
+                                drafter=self.drafter, policy=policy, rng=rng, stats=stats, constraint=constraint)
         finally:
             self.last_stats = stats
             self.session_stats.merge(stats)
             if self.tuner_store is not None and any(policy is t for t in self._tuners.values()):
                 self.tuner_store.save(policy, regime(sampling))
 
-    def stream(self, prompt: str, **kw) -> Iterator[Step]:
-        return self.stream_tokens(self.tokenize(prompt), **kw)
+    def stream(self, prompt: str, *, json_schema=None, grammar: str | None = None, response_format=None,
+               **kw) -> Iterator[Step]:
+        c = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
+        return self.stream_tokens(self.tokenize(prompt), constraint=c, **kw)
 
-    def chat_stream(self, messages: Sequence[dict], **kw) -> Iterator[Step]:
-        return self.stream_tokens(self.tokenizer.chat_prompt_tokens(messages), **kw)
+    def chat_stream(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
+                    json_schema=None, grammar: str | None = None, response_format=None, **kw) -> Iterator[Step]:
+        """The answer's Steps (text as it comes; with tools, read the calls back with
+        constrain.tools.ToolCallStream or use chat())."""
+        plan = self.plan_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                              json_schema=json_schema, grammar=grammar, response_format=response_format)
+        return self.stream_tokens(plan.prompt_tokens, constraint=plan.constraint, **kw)
 
     def _complete(self, prompt_tokens: list[int], **kw) -> Completion:
         stats = GenStats()
@@ -143,13 +210,27 @@ class Runtime:
                           finish_reason=stats.finish_reason or "length", n_prompt_tokens=len(prompt_tokens),
                           n_tokens=stats.n_tokens, stats=stats)
 
-    def generate(self, prompt: str, **kw) -> Completion:
-        """Complete `prompt` (raw text, no chat template)."""
-        return self._complete(self.tokenize(prompt), **kw)
+    def generate(self, prompt: str, *, json_schema=None, grammar: str | None = None, response_format=None,
+                 **kw) -> Completion:
+        """Complete `prompt` (raw text, no chat template), optionally under a JSON schema or grammar."""
+        c = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
+        return self._complete(self.tokenize(prompt), constraint=c, **kw)
 
-    def chat(self, messages: Sequence[dict], **kw) -> Completion:
-        """Answer the last message of a conversation, using the model's chat template."""
-        return self._complete(self.tokenizer.chat_prompt_tokens(messages), **kw)
+    def chat(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
+             json_schema=None, grammar: str | None = None, response_format=None, **kw) -> Completion:
+        """Answer the last message of a conversation, using the model's chat template. With `tools`
+        (OpenAI shape) the answer may be tool calls: Completion.tool_calls, finish_reason 'tool_calls';
+        Completion.message() is the assistant message to append to `messages`."""
+        plan = self.plan_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                              json_schema=json_schema, grammar=grammar, response_format=response_format)
+        out = self._complete(plan.prompt_tokens, constraint=plan.constraint, **kw)
+        if plan.reads_calls:
+            out.content, calls = parse_tool_calls(out.text, plan.tools)
+            if calls:
+                out.tool_calls = calls
+                if out.finish_reason != "length":      # cut short: 'length' says so, the whole calls still count
+                    out.finish_reason = "tool_calls"
+        return out
 
     def reset(self) -> None:
         """Forget the cached conversation (KV caches of target and drafter)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import re
 from datetime import datetime
@@ -138,8 +139,15 @@ class Tokenizer:
         return b"".join(self.token_bytes(t) for t in tokens)
 
     # -- chat ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages ([{'role', 'content'}]) with the model's template (ChatML if it has none)."""
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the model's chat template renders `tools` itself (Qwen2.5's does; SmolLM2's does not)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
+        """Render messages ([{'role', 'content'}]) with the model's template (ChatML if it has none).
+        tools: OpenAI tool objects, passed to a template that knows tools (see constrain/tools.py)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise InvalidArgument(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
@@ -147,16 +155,17 @@ class Tokenizer:
         if template is None:
             template = CHATML_TEMPLATE if self._is_single_token("<|im_start|>") else _PLAIN_TEMPLATE
             log.info("model has no chat template; using a %s template", "ChatML" if template is CHATML_TEMPLATE else "plain")
-        return _render(template, messages, add_generation_prompt,
+        extra = {"tools": list(tools)} if tools else {}
+        return _render(template, messages, add_generation_prompt, **extra,
                        bos_token=self.token_text(self.bos_id) if self.bos_id >= 0 else "",
                        eos_token=self.token_text(self.eos_id) if self.eos_id >= 0 else "")
 
     def _is_single_token(self, text: str) -> bool:
         return len(self.tokenize(text, special=True, add_bos=False)) == 1
 
-    def chat_prompt_tokens(self, messages: Sequence[dict]) -> list[int]:
+    def chat_prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """Chat messages -> prompt tokens. BOS is added only if the template did not write it."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         bos_text = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
         add_bos = self.add_bos and not (bos_text and text.startswith(bos_text))
         return self.tokenize(text, special=True, add_bos=add_bos)
@@ -170,6 +179,9 @@ def _render(template: str, messages, add_generation_prompt: bool, **extra) -> st
         raise InvalidArgument(f"chat template refused the messages: {msg}")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # as Hugging Face renders templates: plain JSON (jinja's own tojson escapes <, > and & for HTML)
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals.update(raise_exception=raise_exception,
                        strftime_now=lambda fmt: datetime.now().strftime(fmt))
     try:

@@ -24,6 +24,8 @@ import pytest
 from edgerun.backends.reference import ReferenceBackend
 from edgerun.config import SamplingArgs
 from edgerun.constrain.grammar import Grammar, GrammarConstraint, grammar_from_options
+from edgerun.constrain.tools import ToolCallStream, ToolChoice, parse_tool_calls, parse_tool_choice, parse_tools, \
+    special_tag_ids, tool_grammar
 from edgerun.errors import InvalidArgument
 from edgerun.generate import GenStats, generate
 from edgerun.reference.llama import ReferenceModel
@@ -103,6 +105,76 @@ def test_padding_rows_are_never_allowed(ref):
     c = GrammarConstraint(Grammar.regex(r"(.|\n)*"), target.tokenizer, target.n_vocab + 20)
     m = c.mask()
     assert m.shape == (target.n_vocab + 20,) and not m[target.n_vocab:].any() and m[: target.n_vocab].sum() > 200
+
+
+# ---------------------------------------------------------------- reading tool calls back
+
+TOOLS = parse_tools([{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}, {"type": "function", "function": {"name": "f"}}])
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris {x}"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (CALL, None, [("get_weather", {"city": 'Pa"ris {x}'})]),
+    ("Let me check.\n" + CALL + "\n" + CALL.replace("get_weather", "f").replace('{"city": "Pa\\"ris {x}"}', "{}"),
+     "Let me check.", [("get_weather", {"city": 'Pa"ris {x}'}), ("f", {})]),
+    ('```json\n{"name": "f", "arguments": {}}\n```', None, [("f", {})]),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
+    ('{"name": "unknown", "arguments": {}}', '{"name": "unknown", "arguments": {}}', []),
+    ("No call here <tool_ca", "No call here <tool_ca", []),
+    (CALL + '\n<tool_call>\n{"name": "f", "argu', None, [("get_weather", {"city": 'Pa"ris {x}'})]),   # cut short
+])
+def test_tool_calls_read_whole_and_streamed(text, content, calls):
+    got_content, got = parse_tool_calls(text, TOOLS)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    for size in (1, 3, 7, len(text)):          # streamed in pieces of every size: the same calls, in order
+        reader = ToolCallStream(TOOLS)
+        events = [e for i in range(0, len(text), size) for e in reader.feed(text[i:i + size])]
+        events += list(reader.finish())
+        complete = [c for c in reader.calls if _is_json(c["function"]["arguments"])]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in complete] == calls
+        streamed = "".join(e[1] for e in events if e[0] == "content")
+        assert streamed.strip() == (content or "") or (not calls and streamed == text)
+        for i, c in enumerate(reader.calls):       # argument fragments add up to the call's arguments
+            assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c["function"]["arguments"]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def test_tool_definitions_are_checked():
+    with pytest.raises(InvalidArgument, match="must be a list"):
+        parse_tools({"name": "f"})
+    with pytest.raises(InvalidArgument, match="two tools are named 'f'"):
+        parse_tools([{"type": "function", "function": {"name": "f"}}] * 2)
+    with pytest.raises(InvalidArgument, match="not among the tools"):
+        parse_tool_choice({"type": "function", "function": {"name": "g"}}, TOOLS)
+    with pytest.raises(InvalidArgument, match="tool_choice must be"):
+        parse_tool_choice("always", TOOLS)
+
+
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_tool_grammar_on_a_text_trigger(ref, mode):
+    """The tiny vocabulary has no <tool_call> token: the lazy text trigger is used; a call matches."""
+    target, _ = ref
+    tok = target.tokenizer
+    g = tool_grammar(TOOLS, ToolChoice(mode), parallel=True, special_ids=special_tag_ids(tok))
+    c = GrammarConstraint(g, tok, target.n_vocab)
+    text = ("I will look. " if mode == "auto" else "") + CALL
+    for t in tok.tokenize(text, add_bos=False):
+        c.consume(t)
+    assert c.is_accepting()
+    if mode == "required":
+        c.reset()
+        with pytest.raises(InvalidArgument, match="not allowed"):
+            for t in tok.tokenize("I will look.", add_bos=False):
+                c.consume(t)
 
 
 # ---------------------------------------------------------------- golden runs

@@ -32,8 +32,10 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
 from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
-from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, content_text, error_from_result, max_tokens_from,
-                       reject_unsupported, sampling_from, sse_data, stop_from, usage, validate)
+from ..constrain.tools import ToolCallStream, parse_tool_calls
+from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
+                       max_tokens_from, reject_unsupported, sampling_from, sse_data, stop_from, structure_from, usage,
+                       validate)
 from .settings import ServerConfig
 
 
@@ -178,14 +180,14 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         reject_unsupported(req)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content)}
-                    for m in req.messages]
+        messages = [chat_message(m) for m in req.messages]
         mt = max_tokens_from(req.max_tokens, "max_tokens")
         if req.max_completion_tokens is not None:
             mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
+        structure, tools, choice = structure_from(req, chat=True)
         job = Job(messages=messages, max_tokens=mt, stop=stop_from(req), sampling=sampling_from(req),
-                  timeout_s=config.timeout_s)
-        return await _respond(state, request, req, job, chat=True)
+                  timeout_s=config.timeout_s, structure=structure)
+        return await _respond(state, request, req, job, chat=True, tools=tools if choice.mode != "none" else [])
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -206,11 +208,12 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                 raise APIError(400, f"'prompt' must be one string or one list of token ids; batches of "
                                     f"{len(prompt)} prompts are not supported", param="prompt",
                                code="unsupported_parameter")
+        structure, _, _ = structure_from(req, chat=False)
         job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
-                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s)
+                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure)
         return await _respond(state, request, req, job, chat=False)
 
-    async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool):
+    async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool, tools=()):
         try:
             state.scheduler.submit(job)
         except QueueFull as e:
@@ -230,7 +233,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 handed_over = True            # _sse now owns the job and the disconnect watcher
                 return StreamingResponse(
-                    _sse(state, job, first, watcher, ident=ident, chat=chat, include_usage=include_usage),
+                    _sse(state, job, first, watcher, ident=ident, chat=chat, include_usage=include_usage,
+                         tools=tools),
                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             texts: list[str] = []
             event = first
@@ -240,7 +244,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             res: JobResult = event[1]
             if res.outcome in FAILED:
                 raise error_from_result(res, config.timeout_s, chat)
-            return _full_response(state, ident, chat, "".join(texts), res)
+            return _full_response(state, ident, chat, "".join(texts), res, tools)
         finally:
             if not handed_over:
                 watcher.cancel()
@@ -403,11 +407,17 @@ def _edgerun_field(state: _State, res: JobResult) -> dict:
 
 
 
-def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobResult) -> dict:
+def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobResult, tools=()) -> dict:
     base = {"id": ident, "created": int(time.time()), "model": state.model_id, "system_fingerprint": None}
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": res.finish_reason}
+        message: dict = {"role": "assistant", "content": text}
+        finish = res.finish_reason
+        if tools:
+            content, calls = parse_tool_calls(text, tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish != "length" else finish
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         return {**base, "object": "chat.completion", "choices": [choice], "usage": usage(res),
                 "edgerun": _edgerun_field(state, res)}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
@@ -418,12 +428,29 @@ def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobRes
 
 
 
+def _tool_delta(event: tuple) -> dict:
+    """A ToolCallStream event as a chat.completion.chunk delta, in OpenAI's shape."""
+    if event[0] == "content":
+        return {"content": event[1]}
+    if event[0] == "call":
+        _, index, ident, name = event
+        return {"tool_calls": [{"index": index, "id": ident, "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
+
+
 async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio.Task, *, ident: str,
-               chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+               chat: bool, include_usage: bool, tools=()) -> AsyncIterator[bytes]:
     """Server-sent events of one generation. The watcher cancels the job as soon as the client goes
     away, even while this generator is suspended; closing the generator cancels it too."""
     created = int(time.time())
     base = {"id": ident, "created": created, "model": state.model_id, "system_fingerprint": None}
+
+    reader = ToolCallStream(tools) if (chat and tools) else None
+
+    def delta_chunk(delta: dict) -> dict:
+        return {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def chunk(text: str | None, finish: str | None, **extra) -> dict:
         if chat:
@@ -440,7 +467,10 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
                                           "logprobs": None, "finish_reason": None}]})
         event = first
         while event[0] == "step":
-            if event[1].text:
+            if reader is not None:
+                for ev in reader.feed(event[1].text):
+                    yield sse_data(delta_chunk(_tool_delta(ev)))
+            elif event[1].text:
                 yield sse_data(chunk(event[1].text, None))
             try:
                 event = await _next_event(state, job)
@@ -452,7 +482,13 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
         if res.outcome in FAILED:
             yield sse_data(error_from_result(res, state.config.timeout_s, chat).body())
         else:
-            yield sse_data(chunk(None, res.finish_reason, edgerun=_edgerun_field(state, res)))
+            finish = res.finish_reason
+            if reader is not None:
+                for ev in reader.finish():
+                    yield sse_data(delta_chunk(_tool_delta(ev)))
+                if reader.calls and finish != "length":
+                    finish = "tool_calls"
+            yield sse_data(chunk(None, finish, edgerun=_edgerun_field(state, res)))
             if include_usage:
                 usage_chunk = {**base, "object": "chat.completion.chunk" if chat else "text_completion",
                                "choices": [], "usage": usage(res)}

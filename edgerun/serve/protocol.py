@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..constrain.tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from .scheduler import JobResult
 
@@ -76,9 +77,11 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None       # assistant: the calls it made (checked in constrain/tools.py)
+    tool_call_id: str | None = None           # tool: the call this result answers
 
 
 class StreamOptions(_Strict):
@@ -110,10 +113,11 @@ class ChatRequest(Common):
     messages: list[Message]
     max_completion_tokens: int | None = None
     top_logprobs: Any = None
-    tools: Any = None
+    tools: Any = None                       # checked by constrain/tools.py (400 invalid_value)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
-    response_format: Any = None
+    response_format: Any = None             # checked by constrain/grammar.py
 
 
 class CompletionRequest(Common):
@@ -121,6 +125,8 @@ class CompletionRequest(Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: Any = None             # as for chat (an edgerun extension here)
+    json_schema: Any = None                 # llama.cpp server's extension: a JSON schema object
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-\w+|.*\[.*\]|[A-Z]\w*)$")
@@ -161,12 +167,10 @@ def reject_unsupported(req) -> None:
         raise no("logprobs", "")
     if req.logit_bias not in (None, {}):
         raise no("logit_bias", "")
-    for name in ("top_logprobs", "tools", "tool_choice", "functions"):
-        if getattr(req, name, None) not in (None, [], 0, "none"):
-            raise no(name, "")
-    rf = getattr(req, "response_format", None)
-    if rf not in (None, {"type": "text"}):
-        raise no("response_format", "other than {'type': 'text'}")
+    if getattr(req, "top_logprobs", None) not in (None, 0):
+        raise no("top_logprobs", "")
+    if getattr(req, "functions", None) not in (None, []):
+        raise no("functions", "(deprecated by OpenAI; use 'tools')")
     if getattr(req, "echo", False):
         raise no("echo", "= true")
     if getattr(req, "suffix", None):
@@ -230,6 +234,37 @@ def max_tokens_from(value: int | None, param: str) -> int | None:
     return value
 
 
+
+
+def chat_message(m: Message) -> dict:
+    """A request message as the runtime takes it (developer -> system; tool calls and results kept)."""
+    out = {"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content)}
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    if m.role == "tool" and m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def structure_from(req, chat: bool) -> tuple[dict, list[Tool], ToolChoice]:
+    """The output-structure options of a request (for the worker, which compiles them before the first
+    token), and its tools and tool_choice checked here already (they need no model)."""
+    out: dict = {}
+    try:
+        tools = parse_tools(req.tools) if chat else []
+        choice = parse_tool_choice(req.tool_choice, tools) if chat else ToolChoice("none")
+    except InvalidArgument as e:
+        raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools",
+                       code="invalid_value") from None
+    if chat:
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(req, name) is not None:
+                out[name] = getattr(req, name)
+    elif req.json_schema is not None:
+        out["json_schema"] = req.json_schema
+    if req.response_format is not None:
+        out["response_format"] = req.response_format
+    return out, tools, choice
 
 
 def content_text(content) -> str:

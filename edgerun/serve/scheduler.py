@@ -67,7 +67,8 @@ class Job:
 
     def __init__(self, *, prompt: str | None = None, messages: Sequence[dict] | None = None,
                  prompt_tokens: Sequence[int] | None = None, max_tokens: int | None = None,
-                 stop: Sequence[str] = (), sampling: dict | None = None, timeout_s: float = 300.0) -> None:
+                 stop: Sequence[str] = (), sampling: dict | None = None, timeout_s: float = 300.0,
+                 structure: dict | None = None) -> None:
         if sum(x is not None for x in (prompt, messages, prompt_tokens)) != 1:
             raise ValueError("a Job needs exactly one of prompt, messages and prompt_tokens")
         self.prompt = prompt
@@ -77,6 +78,9 @@ class Job:
         self.max_tokens = max_tokens
         self.stop = tuple(stop)
         self.sampling = dict(sampling or {})
+        # the output's structure: tools / tool_choice / parallel_tool_calls / response_format / json_schema
+        # (compiled on the worker, before the first token: a bad one fails the job as InvalidArgument)
+        self.structure = dict(structure or {})
         self.created = time.monotonic()
         self.deadline = self.created + timeout_s
         self.events: asyncio.Queue = asyncio.Queue()
@@ -285,8 +289,10 @@ class Scheduler:
         stream = None
         try:
             self._step_started = now
+            constraint = None
             if job.messages is not None:
-                prompt_tokens = runtime.tokenizer.chat_prompt_tokens(job.messages)
+                plan = runtime.plan_chat(job.messages, **job.structure)
+                prompt_tokens, constraint = plan.prompt_tokens, plan.constraint
             elif job.prompt_tokens is not None:
                 prompt_tokens = job.prompt_tokens
                 n_vocab = runtime.tokenizer.n_vocab
@@ -295,11 +301,13 @@ class Scheduler:
                     raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
             else:
                 prompt_tokens = runtime.tokenize(job.prompt)
+            if job.messages is None and job.structure:
+                constraint = runtime.constraint(**job.structure)
             res.n_prompt_tokens = len(prompt_tokens)
             room = runtime.n_ctx - len(prompt_tokens)
             res.max_tokens = max(0, room if job.max_tokens is None else min(job.max_tokens, room))
             stream = runtime.stream_tokens(prompt_tokens, max_tokens=res.max_tokens, stop=job.stop,
-                                           stats=res.stats, **job.sampling)
+                                           stats=res.stats, constraint=constraint, **job.sampling)
             res.started = True
             for step in stream:
                 self._step_started = time.monotonic()
