@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -123,13 +124,61 @@ def _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed) -> dict
     return kw
 
 
+def _read_arg_file(value: str, option: str, *, json_or_file: bool) -> str:
+    """An option's text: the file it names, or (json_or_file) the value itself when it is inline JSON."""
+    from .errors import InvalidArgument
+
+    if json_or_file and value.lstrip().startswith(("{", "[")):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        what = "a JSON file or inline JSON" if json_or_file else "a file"
+        raise InvalidArgument(f"{option}: {value!r:.80} is not {what}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"{option}: cannot read {path}: {e}") from None
+
+
+def _structure_kw(json_schema: str | None, grammar: str | None) -> dict:
+    """--json-schema / --grammar -> the runtime's keyword arguments (checked before a model loads)."""
+    from .constrain.grammar import grammar_from_options
+
+    from .errors import InvalidArgument
+
+    if json_schema is not None and grammar is not None:
+        raise InvalidArgument("give at most one of --json-schema and --grammar")
+    kw = {}
+    if json_schema is not None:
+        kw["json_schema"] = _read_arg_file(json_schema, "--json-schema", json_or_file=True)
+    if grammar is not None:
+        kw["grammar"] = _read_arg_file(grammar, "--grammar", json_or_file=False)
+    grammar_from_options(**kw)          # JSON and option errors now; the rest compiles against the vocabulary
+    return kw
+
+
+structure_options = [
+    click.option("--json-schema", default=None,
+                 help="Constrain the output to this JSON Schema (a file, or inline JSON)."),
+    click.option("--grammar", default=None,
+                 help="Constrain the output to the grammar in this file: Lark (with a `start:` rule) or a regex."),
+]
+
+
+def with_structure_options(f):
+    for o in reversed(structure_options):
+        f = o(f)
+    return f
+
+
 @main.command()
 @click.argument("prompt")
 @model_options
 @sampling_options
+@with_structure_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, max_tokens,
-             temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, as_json):
+             temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json):
     """Complete PROMPT (raw text; '-' reads it from stdin)."""
     from .errors import InvalidArgument
     from .runtime import parse_gamma
@@ -137,16 +186,17 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
     if prompt == "-":
         prompt = sys.stdin.read()
     kw = _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    structure = _structure_kw(json_schema, grammar)
     parse_gamma(gamma)
     if max_tokens < 0:
         raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
         if as_json:
-            c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **kw)
+            c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw)
             out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
             click.echo(json.dumps(out))
         else:
-            for step in rt.stream(prompt, max_tokens=max_tokens, stop=stop, **kw):
+            for step in rt.stream(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw):
                 click.echo(step.text, nl=False)
                 sys.stdout.flush()
             click.echo("")
@@ -177,14 +227,85 @@ def _fit_history(rt, messages: list, base: list, **kw):
             click.echo("(context full: dropped the oldest turn)", err=True)
 
 
+def _load_tools(value: str | None) -> list:
+    from .constrain.tools import parse_tools
+    from .errors import InvalidArgument
+
+    if value is None:
+        return []
+    text = _read_arg_file(value, "--tools", json_or_file=True)
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"--tools: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    parse_tools(tools)
+    return tools
+
+
+def _answer(rt, messages, base, tools, tool_choice=None, **kw) -> tuple[str, list]:
+    """Stream one answer to the terminal; return (its text outside tool calls, its tool calls)."""
+    from .constrain.tools import ToolCallStream, parse_tools
+
+    reader = ToolCallStream(parse_tools(tools)) if tools else None
+    pieces: list[str] = []
+    stream = None
+
+    def show(text: str) -> None:
+        pieces.append(text)
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    try:
+        stream = _fit_history(rt, messages, base, tools=tools or None,
+                              tool_choice=tool_choice if tools else None, **kw)
+        for step in stream:
+            if reader is None:
+                show(step.text)
+                continue
+            for ev in reader.feed(step.text):
+                if ev[0] == "content":
+                    show(ev[1])
+        if reader is not None:
+            for ev in reader.finish():
+                if ev[0] == "content":
+                    show(ev[1])
+    except KeyboardInterrupt:
+        if stream is not None:
+            stream.close()      # cancels generation; the decode loop rolls the caches back
+        click.echo(" [stopped]", nl=False)
+    calls = [c for c in (reader.calls if reader else []) if _complete_json(c["function"]["arguments"])]
+    return "".join(pieces), calls
+
+
+def _complete_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
 @main.command()
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
+@click.option("--tools", "tools_spec", default=None,
+              help="OpenAI tool definitions (a JSON file or inline JSON list): the model may call them, and "
+                   "you type each call's result.")
+@click.option("--tool-choice", default="auto", show_default=True,
+              help="auto, required, none, or a tool's name (the first answer of each turn; after tool "
+                   "results the model answers under 'auto').")
 def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, max_tokens,
-         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system):
+         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system, tools_spec, tool_choice):
     """Interactive multi-turn chat. /reset clears history, /stats shows speed, /exit quits; Ctrl-C stops an answer."""
+    from .constrain.tools import parse_tool_choice, parse_tools
+
     kw = _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
+    tools = _load_tools(tools_spec)
+    if tool_choice not in ("auto", "required", "none"):
+        tool_choice = {"type": "function", "function": {"name": tool_choice}}
+    if tools:
+        parse_tool_choice(tool_choice, parse_tools(tools))
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
         base = [{"role": "system", "content": system}] if system else []
         messages = list(base)
@@ -216,23 +337,31 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
                 click.echo(f"unknown command {cmd}; use /reset, /stats or /exit", err=True)
                 continue
             messages.append({"role": "user", "content": line})
-            pieces, stream = [], None
-            try:
-                stream = _fit_history(rt, messages, base, max_tokens=max_tokens, stop=stop, **kw)
-                for step in stream:
-                    pieces.append(step.text)
-                    click.echo(step.text, nl=False)
-                    sys.stdout.flush()
-            except KeyboardInterrupt:
-                if stream is not None:
-                    stream.close()      # cancels generation; the decode loop rolls the caches back
-                click.echo(" [stopped]", nl=False)
-            except EdgerunError as e:
-                messages.pop()
-                click.echo(f"\nerror: {e}", err=True)
-                continue
-            click.echo("")
-            messages.append({"role": "assistant", "content": "".join(pieces)})
+            n_before = len(messages) - 1
+            choice = tool_choice
+            while True:                  # an answer, and again after each round of tool results
+                try:
+                    text, calls = _answer(rt, messages, base, tools, choice, max_tokens=max_tokens, stop=stop, **kw)
+                except EdgerunError as e:
+                    del messages[n_before:]
+                    click.echo(f"\nerror: {e}", err=True)
+                    break
+                click.echo("")
+                if not calls:
+                    messages.append({"role": "assistant", "content": text})
+                    break
+                messages.append({"role": "assistant", "content": text, "tool_calls": calls})
+                try:
+                    for call in calls:
+                        fn = call["function"]
+                        click.echo(f"[tool call] {fn['name']}({fn['arguments']})")
+                        result = input(f"result of {fn['name']}> ")
+                        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+                    choice = "auto"
+                except (EOFError, KeyboardInterrupt):
+                    del messages[n_before:]
+                    click.echo("\n(tool call abandoned)", err=True)
+                    break
 
 
 # ---- commands of other modules are registered below (each in its own section) ----

@@ -104,6 +104,71 @@ def test_chat_drops_oldest_turns_when_context_is_full(runner, tiny_llama):
     assert "dropped the oldest turn" in r.stderr and "error" not in r.stderr
 
 
+TINY = ["--draft", "none", "--profile", "generic-x86_64-cpu", "--ctx", "512"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+def test_generate_under_a_json_schema(runner, tiny_llama, tmp_path):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    for spec in (str(schema), json.dumps(PERSON)):          # a file, or inline JSON
+        r = runner.invoke(main, ["generate", "A person:", "--model", str(tiny_llama), *TINY, "-n", "60",
+                                 "-t", "0.9", "--seed", "3", "--json-schema", spec, "--json"])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        if out["finish_reason"] == "eos":
+            assert set(json.loads(out["text"])) == {"name", "n"}
+        else:
+            assert out["text"].startswith('{"name": "')
+
+
+def test_generate_under_a_grammar_file(runner, tiny_llama, tmp_path):
+    g = tmp_path / "answer.regex"
+    g.write_text("(yes|no)!")
+    r = runner.invoke(main, ["generate", "Say it:", "--model", str(tiny_llama), *TINY, "-n", "8", "-t", "1",
+                             "--grammar", str(g)])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() in ("yes!", "no!")
+    lark = tmp_path / "g.lark"
+    lark.write_text('start: "[" NUM ("," NUM)* "]"\nNUM: /[0-9]{1,2}/\n')
+    r = runner.invoke(main, ["generate", "Numbers:", "--model", str(tiny_llama), *TINY, "-n", "30", "-t", "1",
+                             "--seed", "1", "--grammar", str(lark), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["text"].startswith("[")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-schema", '{"type": "objekt"}'], "JSON schema does not compile"),
+    (["--json-schema", "{not json"], "not valid JSON"),
+    (["--json-schema", "nowhere.json"], "is not a JSON file or inline JSON"),
+    (["--grammar", "nowhere.lark"], "is not a file"),
+    (["--json-schema", "{}", "--grammar", "{}"], "at most one"),
+])
+def test_bad_structure_options_get_one_line(runner, tiny_llama, args, message):
+    r = runner.invoke(main, ["generate", "x", "--model", str(tiny_llama), *TINY, "-n", "2", *args])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and message in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_chat_with_tools_prints_calls_and_takes_results(runner, tiny_llama, tmp_path):
+    tools = [{"type": "function", "function": {"name": "turn_on", "parameters": {
+        "type": "object", "properties": {"room": {"type": "string", "enum": ["kitchen", "hall"]}},
+        "required": ["room"]}}}]
+    f = tmp_path / "tools.json"
+    f.write_text(json.dumps(tools))
+    script = "light the kitchen\n{\"ok\": true}\n/exit\n"
+    r = runner.invoke(main, ["chat", "--model", str(tiny_llama), *TINY, "--ctx", "2048", "-n", "150", "-t", "0",
+                             "--tools", str(f), "--tool-choice", "turn_on"], input=script)
+    assert r.exit_code == 0, r.output
+    assert '[tool call] turn_on({"room": "' in r.stdout and "result of turn_on> " in r.stdout
+    r = runner.invoke(main, ["chat", "--model", str(tiny_llama), *TINY, "--tools", "[{\"type\": \"function\"}]"],
+                      input="/exit\n")
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "tools[0]" in r.output, r.output
+    r = runner.invoke(main, ["chat", "--model", str(tiny_llama), *TINY, "--tools", str(f), "--tool-choice", "fly"],
+                      input="/exit\n")
+    assert r.exit_code == 2 and "not among the tools" in r.output, r.output
+
+
 def test_invalid_utf8_prompts_get_one_line_not_a_traceback(runner, tiny_llama):
     """Issue 20, defect 2: invalid UTF-8 on argv (surrogate-escaped by Python) and a lone surrogate."""
     for prompt in ("\udcff\udcfeabc", "a\ud800b"):
