@@ -48,6 +48,32 @@ COPY_ASK = [{"role": "user", "content": "Here are customer records:\n" + SEED_RE
              "same style until there are at least 60."}]
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                           "languages": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                                         "maxItems": 4},
+                                           "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo", "Lima"]}},
+          "required": ["name", "age", "languages", "city"], "additionalProperties": False}
+
+
+def validity(rt, n: int) -> dict:
+    """n sampled answers (t 0.8, seeds 0..n-1) under PERSON: how many end, parse and validate (jsonschema)."""
+    import jsonschema
+
+    ok = ended = 0
+    for seed in range(n):
+        c = rt.chat([{"role": "user", "content": "Describe a software developer as JSON."}], json_schema=PERSON,
+                    max_tokens=120, temperature=0.8, seed=seed)
+        if c.finish_reason == "eos":
+            ended += 1
+            try:
+                jsonschema.validate(json.loads(c.text), PERSON)
+                ok += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    return {"n": n, "ended": ended, "valid": ok}
+
+
 class _Timed:
     """Time spent computing masks (llguidance + unpacking) during one generation."""
 
@@ -138,6 +164,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--models", default="smollm2,qwen")
+    ap.add_argument("--valid-n", type=int, default=8, help="sampled answers per model checked with jsonschema")
     ap.add_argument("--out", default="bench/results/structured.json")
     a = ap.parse_args()
 
@@ -189,6 +216,7 @@ def main() -> None:
             "acceptance": statistics.median(x["acceptance"] for x in rs),
             "mask_ms_per_token": statistics.median(x["mask_ms_per_token"] for x in rs),
             "tokens": rs[0]["tokens"], "sample": rs[0]["text"][:160]}
+    results["validity"] = {rt.model_name: validity(rt, a.valid_n) for rt in rts.values()}
     results["apply_mask_ms"] = {str(rt.target.n_vocab): apply_cost(rt.target.n_vocab) for rt in rts.values()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(results, indent=1))
@@ -199,6 +227,9 @@ def main() -> None:
         ratio = row["tok_s"] / base["tok_s"] if base else float("nan")
         print(f"{label:34s} {row['tok_s']:7.1f} {ratio:8.2f} {row['acceptance']:7.1%} {row['mask_ms_per_token']:11.3f}")
     print(f"apply_mask per call (ms): {results['apply_mask_ms']}; vocabulary build (s): {results['vocab_build_s']}")
+    for name, v in results["validity"].items():
+        print(f"{name}: {v['valid']}/{v['n']} sampled answers under the schema parse and validate "
+              f"({v['ended']} ended within 120 tokens)")
     print(f"wrote {a.out}")
 
 
