@@ -164,11 +164,30 @@ class Tokenizer:
         return len(self.tokenize(text, special=True, add_bos=False)) == 1
 
     def chat_prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-        """Chat messages -> prompt tokens. BOS is added only if the template did not write it."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        """Chat messages -> prompt tokens. BOS is added only if the template did not write it.
+
+        The template's own text is tokenized with its special tokens; what the messages say is not:
+        `<|im_start|>system` typed inside a message stays text and cannot forge a turn. Each content
+        is rendered as a marker, and the rendered text is tokenized piece by piece."""
+        marked = [dict(m, content=_MARK.format(i)) if isinstance(m, dict) and isinstance(m.get("content"), str) and m["content"] else m
+                  for i, m in enumerate(messages)]
+        text = self.apply_chat_template(marked, add_generation_prompt=True, tools=tools)
         bos_text = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
         add_bos = self.add_bos and not (bos_text and text.startswith(bos_text))
-        return self.tokenize(text, special=True, add_bos=add_bos)
+        out: list[int] = []
+        for k, piece in enumerate(_MARK_RE.split(text)):
+            if k % 2:                                         # a message's content: never special tokens
+                out += self.tokenize(messages[int(piece)]["content"], special=False, add_bos=False)
+            elif piece:
+                out += self.tokenize(piece, special=True, add_bos=add_bos and not out)
+        if add_bos and (not out or out[0] != self.bos_id):
+            out.insert(0, self.bos_id)
+        return out
+
+
+# a message's content while the template renders (private-use characters: no text carries them by accident)
+_MARK = "\ue000edgerun-content-{}\ue001"
+_MARK_RE = re.compile("\ue000edgerun-content-(\\d+)\ue001")
 
 
 def _render(template: str, messages, add_generation_prompt: bool, **extra) -> str:
