@@ -555,3 +555,62 @@ def test_metrics_exposition_format():
     assert values['edgerun_generations_total{outcome="cancelled"}'] == 1
     assert values["edgerun_queue_depth"] == 2 and values["edgerun_busy"] == 1
     assert values['edgerun_ready{model="odd \\"name\\"\\\\x"}'] == 1
+
+
+# --- issue 20: a web page the board's user opens must not drive a keyless loopback server ------------
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_only_json_bodies_are_read(http, model, ctype):
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2})
+    headers = {} if ctype is None else {"content-type": ctype}
+    r = http.post(COMPL, content=body, headers=headers)
+    assert_error(r, 415, "unsupported_media_type")
+
+
+def test_foreign_host_and_origin_are_refused(server, http, model):
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
+    port = server.url.rsplit(":", 1)[1]
+    assert_error(http.post(COMPL, json=body, headers={"host": f"evil.example:{port}"}), 403, "host_not_allowed")
+    assert_error(http.get("/health", headers={"host": "rebound.attacker.test"}), 403, "host_not_allowed")
+    assert http.post(COMPL, json=body, headers={"host": f"localhost:{port}"}).status_code == 200
+    assert_error(http.post(COMPL, json=body, headers={"origin": "http://evil.example"}), 403, "origin_not_allowed")
+    assert_error(http.options(COMPL, headers={"origin": "http://evil.example",
+                                              "access-control-request-method": "POST"}), 403, "origin_not_allowed")
+
+
+def test_an_allowed_origin_gets_cors(tiny_llama, tmp_path):
+    origin = "http://192.168.1.20:3000"
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--api-key", KEY, "--cors-origin", origin,
+                         "--allow-host", "edgerun.local"], env=clean_env(tmp_path))
+    try:
+        srv.wait_ready()
+        pre = httpx.options(srv.url + COMPL, headers={"origin": origin, "access-control-request-method": "POST",
+                                                      "access-control-request-headers": "authorization, content-type"})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == origin
+        assert "authorization" in pre.headers["access-control-allow-headers"]
+        r = httpx.post(srv.url + COMPL, json={"model": str(tiny_llama), "prompt": "hi", "max_tokens": 2},
+                       headers={**AUTH, "origin": origin, "host": "edgerun.local"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert httpx.get(srv.url + "/v1/models", headers={"origin": origin}).status_code == 401   # still the key
+    finally:
+        assert srv.terminate() == 0, srv.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "0.0.0.0"], "without an API key would let anyone"),
+    (["--host", "::"], "without an API key would let anyone"),
+    (["--host", "0.0.0.0", "--api-key", "k", "--cors-origin", "evil.example"], "is not an origin"),
+])
+def test_exposing_the_api_needs_a_key_or_an_explicit_flag(tiny_llama, tmp_path, args, message):
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, *args], env=clean_env(tmp_path), wait_listening=False)
+    assert srv.wait_exit() == 2
+    assert message in srv.output and "Traceback" not in srv.output, srv.output
+
+
+def test_insecure_no_auth_says_what_it_opens(tiny_llama, tmp_path):
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--host", "0.0.0.0", "--insecure-no-auth"],
+                        env=clean_env(tmp_path))
+    try:
+        assert "WITHOUT an API key" in srv.output
+    finally:
+        assert srv.terminate() == 0, srv.output

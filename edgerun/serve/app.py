@@ -287,7 +287,25 @@ class _Gate:
                 metrics.count_request(endpoint, message["status"])
             await send(message)
 
-        key = self.state.config.api_key
+        config = self.state.config
+        headers = {k: v for k, v in scope.get("headers", ())}
+        refused = _browser_refusal(config, headers)
+        if refused is not None:
+            await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, counting_send)
+            return
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        if origin:                                   # an allowed browser origin: CORS headers on the answer
+            inner = counting_send
+
+            async def counting_send(message) -> None:            # noqa: F811 - wraps the counter
+                if message["type"] == "http.response.start":
+                    message = {**message, "headers": [*message.get("headers", []), *_cors_headers(origin)]}
+                await inner(message)
+
+            if scope.get("method") == "OPTIONS":               # a preflight: answered here, before the key
+                await Response(status_code=204)(scope, receive, counting_send)
+                return
+        key = config.api_key
         if key is not None and path != "/health" and not _authorized(scope, key):
             err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -297,6 +315,35 @@ class _Gate:
 
 
 
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+
+def _browser_refusal(config, headers: dict) -> APIError | None:
+    """Requests a web page (not the board's user) could have made: a Host that is not this server's
+    loopback name (DNS rebinding) or an Origin that is not allowed (cross-site requests)."""
+    from .settings import is_loopback
+
+    if is_loopback(config.host):
+        host = headers.get(b"host", b"").decode("latin-1").strip().lower()
+        name = host[: host.rindex("]") + 1] if host.startswith("[") else host.split(":", 1)[0]
+        allowed = _LOOPBACK_NAMES | {h.lower() for h in config.allowed_hosts} | {config.host}
+        if host and name not in allowed and not name.startswith("127."):
+            return APIError(403, f"Host {name!r:.60} is not this server's name (a web page using DNS rebinding?); "
+                                 "allow it with --allow-host / EDGERUN_ALLOW_HOST", code="host_not_allowed")
+    origin = headers.get(b"origin", b"").decode("latin-1").strip()
+    if origin and origin not in config.cors_origins and "*" not in config.cors_origins:
+        return APIError(403, f"requests from the web page at {origin!r:.80} are not allowed; allow its origin with "
+                             "--cors-origin / EDGERUN_CORS_ORIGIN", code="origin_not_allowed")
+    return None
+
+
+def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
+    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
+            (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            (b"access-control-allow-headers", b"authorization, content-type"),
+            (b"access-control-max-age", b"600")]
 
 
 def _require_ready(state: _State) -> None:
@@ -321,7 +368,12 @@ def _authorized(scope, key: str) -> bool:
 
 
 async def _read_json(request, limit: int) -> Any:
-    """The request body parsed as JSON, refusing bodies over `limit` bytes (413) and bad JSON (400)."""
+    """The request body parsed as JSON, refusing bodies over `limit` bytes (413), bodies not declared as
+    JSON (415: a web form or text/plain, which browsers send cross-site without asking) and bad JSON (400)."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype != "application/json":
+        raise APIError(415, f"the body must be sent as Content-Type: application/json, got {ctype or 'none'!r:.60}",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():

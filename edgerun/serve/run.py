@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import signal
 import socket
@@ -13,7 +12,7 @@ import uvicorn
 
 from ..errors import EdgerunError, ModelNotFound
 from .app import _State, create_app
-from .settings import ServerConfig
+from .settings import ServerConfig, is_loopback
 
 
 log = logging.getLogger(__name__)
@@ -101,8 +100,9 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
             loop.call_soon_threadsafe(state.begin_drain)
 
     server.on_signal = on_signal
-    if not _is_loopback(host) and config.api_key is None:
-        log.warning("listening on %s without an API key: anyone who can reach this port can use the model", host)
+    if not is_loopback(host) and config.api_key is None:
+        log.warning("listening on %s WITHOUT an API key (--insecure-no-auth): anyone who can reach this port "
+                    "can use the model", host)
     log.info("listening on http://%s:%d (model %s loads in the background)",
              f"[{host}]" if ":" in host else host, port, config.model)
     try:
@@ -116,8 +116,3 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
         raise EdgerunError(f"the model failed to load: {err}") from err
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

@@ -38,6 +38,9 @@ class ServerConfig:
     n_threads: int | None = None
     gamma: int | str | None = None       # None/'auto': the tuner decides
     pull: bool = True                    # pull a registry model that is not cached yet
+    insecure_no_auth: bool = False       # serve a non-loopback address without an API key, knowingly
+    cors_origins: tuple[str, ...] = ()   # browser origins allowed to call the API (none by default)
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides the loopback ones
     load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
 
     def __post_init__(self) -> None:
@@ -51,6 +54,15 @@ class ServerConfig:
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
         if not (self.shutdown_grace_s >= 0 and math.isfinite(self.shutdown_grace_s)):
             raise InvalidArgument(f"shutdown grace must be a finite number of seconds >= 0, got {self.shutdown_grace_s!r}")
+        if not is_loopback(self.host) and self.api_key is None and not self.insecure_no_auth:
+            raise InvalidArgument(
+                f"--host {self.host} without an API key would let anyone who reaches this port use the model: "
+                "set --api-key / EDGERUN_API_KEY, or pass --insecure-no-auth (EDGERUN_INSECURE_NO_AUTH=1) to "
+                "accept that (a VPN or a firewall then has to keep strangers out)")
+        for origin in self.cors_origins:
+            if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
+                raise InvalidArgument(f"--cors-origin {origin!r:.60} is not an origin; expected scheme://host[:port] "
+                                      "such as http://192.168.1.20:3000 (or *)")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidArgument("api_key must not be empty or white space (an empty --api-key= or EDGERUN_API_KEY= "
                                   "would silently mean no authentication; leave it unset to disable authentication)")
@@ -58,6 +70,19 @@ class ServerConfig:
 
 def _same(v: Any) -> Any:
     return v
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _csv(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("port", ("--port",), "EDGERUN_PORT", "", type=click.IntRange(0, 65535), default=8080, env_value="8080"),
     Setting("api_key", ("--api-key",), "EDGERUN_API_KEY",
             "Require 'Authorization: Bearer KEY' on every endpoint but /health.", env_example="change-me"),
+    Setting("insecure_no_auth", ("--insecure-no-auth",), "EDGERUN_INSECURE_NO_AUTH",
+            "DANGEROUS: serve a non-loopback --host without an API key (anyone who reaches the port can use "
+            "the model). Refused otherwise.", is_flag=True, env_example="1",
+            env_doc=("Only if the network itself keeps strangers out (a VPN): serve 0.0.0.0 without a key.",)),
+    Setting("cors_origin", ("--cors-origin",), "EDGERUN_CORS_ORIGIN",
+            "Browser origins (comma-separated, e.g. http://192.168.1.20:3000) allowed to call the API; "
+            "requests from any other web page are refused (403).", env_example="http://192.168.1.20:3000",
+            field="cors_origins", to_config=_csv,
+            env_doc=("", "Browsers: web pages whose origin is listed here may call the API (comma-separated);",
+                     "any other page gets 403, and a Host header that is not this board's loopback name",
+                     "(DNS rebinding) gets 403 unless listed in EDGERUN_ALLOW_HOST.")),
+    Setting("allow_host", ("--allow-host",), "EDGERUN_ALLOW_HOST",
+            "Host header names accepted besides localhost/127.0.0.1/::1 when serving loopback (comma-separated).",
+            env_example="edgerun.local", field="allowed_hosts", to_config=_csv),
     Setting("queue", ("--queue",), "EDGERUN_QUEUE",
             "Requests allowed to wait behind the running one; more get 503 + Retry-After.",
             type=click.IntRange(0, None), default=8, env_value="8",
