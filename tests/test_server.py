@@ -611,6 +611,7 @@ def test_insecure_no_auth_says_what_it_opens(tiny_llama, tmp_path):
     srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--host", "0.0.0.0", "--insecure-no-auth"],
                         env=clean_env(tmp_path))
     try:
+        srv.wait_ready()
         assert "WITHOUT an API key" in srv.output
     finally:
         assert srv.terminate() == 0, srv.output
