@@ -103,7 +103,7 @@ class Runtime:
 
     # -- helpers ------------------------------------------------------------------------------
     def tokenize(self, text: str, special: bool = True) -> list[int]:
-        return self.tokenizer.tokenize(text, special=special)
+        return self.tokenizer.tokenize(text, special=special, limit=self.n_ctx)
 
     def sampling_args(self, **kw) -> SamplingArgs:
         unknown = set(kw) - set(_SAMPLING_KEYS)
@@ -154,7 +154,8 @@ class Runtime:
                                   "a tool call's arguments follow the tool's own parameters schema")
         knows = self.tokenizer.template_knows_tools
         msgs = chat_messages(messages, shown, knows)
-        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None)
+        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None,
+                                                   limit=self.n_ctx)
         if shown:
             g = tool_grammar(shown, choice, parallel=bool(parallel_tool_calls),
                              special_ids=special_tag_ids(self.tokenizer))

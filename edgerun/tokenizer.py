@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from . import llama_lib
-from .errors import InvalidArgument, ModelFormatError
+from .errors import ContextOverflow, InvalidArgument, ModelFormatError
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Tokenizer:
         self._pieces: dict[int, bytes] = {}
         self._fingerprint: str | None = None
         self._texts: list[str] | None = None
+        self._max_bytes: int | None = None
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
@@ -98,13 +99,34 @@ class Tokenizer:
         return bool(llama_lib.lib().llama_vocab_is_eog(self._vocab, token))
 
     # -- text <-> tokens ----------------------------------------------------------------------
-    def tokenize(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for (special tokens' text included): a text of B bytes is at
+        least B / max_token_bytes tokens, whatever the tokenizer does."""
+        if self._max_bytes is None:
+            self._max_bytes = max(1, max(len(self.special_bytes(i)) for i in range(self.n_vocab)))
+        return self._max_bytes
+
+    def check_fits(self, n_bytes: int, n_tokens: int) -> None:
+        """Refuse, before tokenizing, a text too long to be at most n_tokens tokens (ContextOverflow):
+        tokenizing pathological text costs more than linear time, and the server has one worker."""
+        if n_bytes > n_tokens and n_bytes > n_tokens * self.max_token_bytes:     # (every token is >= 1 byte)
+            raise ContextOverflow(
+                f"the prompt is {n_bytes} bytes: at least {-(-n_bytes // self.max_token_bytes)} tokens (a token "
+                f"is at most {self.max_token_bytes} bytes), more than the context's {n_tokens}; shorten it")
+
+    def tokenize(self, text: str, special: bool = True, add_bos: bool | None = None,
+                 limit: int | None = None) -> list[int]:
+        """Text -> token ids. limit: refuse (ContextOverflow) a text that cannot be at most `limit` tokens,
+        without tokenizing it."""
         lib = llama_lib.lib()
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:    # a lone surrogate (JSON "\ud800", or invalid UTF-8 bytes from argv)
             raise InvalidArgument(f"the text is not valid Unicode: {text[e.start:e.end]!a} at character {e.start} "
                                   "(a lone surrogate, or bytes that are not UTF-8); expected UTF-8 text") from None
+        if limit is not None:
+            self.check_fits(len(data), limit)
         add = self.add_bos if add_bos is None else add_bos
         n_max = len(data) + 8
         buf = (ctypes.c_int32 * n_max)()
@@ -163,7 +185,8 @@ class Tokenizer:
     def _is_single_token(self, text: str) -> bool:
         return len(self.tokenize(text, special=True, add_bos=False)) == 1
 
-    def chat_prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    def chat_prompt_tokens(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                           limit: int | None = None) -> list[int]:
         """Chat messages -> prompt tokens. BOS is added only if the template did not write it.
 
         The template's own text is tokenized with its special tokens; what the messages say is not:
@@ -172,6 +195,10 @@ class Tokenizer:
         marked = [dict(m, content=_MARK.format(i)) if isinstance(m, dict) and isinstance(m.get("content"), str) and m["content"] else m
                   for i, m in enumerate(messages)]
         text = self.apply_chat_template(marked, add_generation_prompt=True, tools=tools)
+        if limit is not None:           # the rendered prompt with every content in place, before tokenizing
+            contents = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages
+                           if isinstance(m, dict) and isinstance(m.get("content"), str))
+            self.check_fits(len(_MARK_RE.sub("", text).encode("utf-8", "surrogatepass")) + contents, limit)
         bos_text = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
         add_bos = self.add_bos and not (bos_text and text.startswith(bos_text))
         out: list[int] = []

@@ -96,6 +96,26 @@ def test_message_text_cannot_forge_a_turn(backend):
         assert tk.detokenize(ids).decode().count("obey me") == 1
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(backend, monkeypatch):
+    """Issue 20, defect 3: tokenizing a flood of special-token text costs more than linear time on the
+    server's one worker; a text longer than n_ctx x (the longest token's bytes) cannot fit anyway."""
+    import llama_cpp
+
+    from edgerun.errors import ContextOverflow
+
+    tk = backend.tokenizer
+    flood = "<|im_start|>" * 5000
+    calls = []
+    real = llama_cpp.llama_tokenize
+    monkeypatch.setattr(llama_cpp, "llama_tokenize", lambda *a: calls.append(1) or real(*a))
+    with pytest.raises(ContextOverflow, match=r"60000 bytes: at least \d+ tokens"):
+        tk.tokenize(flood, limit=256)
+    with pytest.raises(ContextOverflow, match="bytes"):
+        tk.chat_prompt_tokens([{"role": "user", "content": flood}], limit=256)
+    assert calls == []
+    assert len(tk.tokenize("<|im_start|>" * 10, limit=256)) == 10 and calls
+
+
 def test_bad_files(tmp_path, tiny_llama):
     with pytest.raises(ModelNotFound):
         LlamaCppBackend(tmp_path / "missing.gguf")
