@@ -148,6 +148,51 @@ def run_one(rt, messages, *, tokens, schema, gamma, drafter=None) -> dict:
             "text": rt.tokenizer.detokenize(out).decode("utf-8", "replace")}
 
 
+def llama_server_rows(binary: str, rts: dict, tokens: int, threads: int, rounds: int) -> dict:
+    """llama.cpp's own server on the same files, prompt, threads and context: decode tok/s (its timings)
+    without and with the same JSON schema (`json_schema` in the /completion request), greedy."""
+    import os
+    import socket
+    import subprocess
+    import urllib.request
+
+    rows = {}
+    for key, rt in rts.items():
+        path = rt.target.path
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent))
+        proc = subprocess.Popen([binary, "-m", str(path), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
+                                 "-c", "1024", "-np", "1", "--no-webui"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(600):
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            prompt = rt.tokenizer.apply_chat_template(ASK)
+            for label, schema in (("plain", None), ("schema", RECORDS)):
+                rates = []
+                for _ in range(rounds):
+                    body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "cache_prompt": False}
+                    if schema is not None:
+                        body["json_schema"] = schema
+                    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", data=json.dumps(body).encode(),
+                                                 headers={"Content-Type": "application/json"})
+                    out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+                    rates.append(out["timings"]["predicted_per_second"])
+                rows[f"llama-server {key} {label}"] = {"tok_s": statistics.median(rates), "acceptance": 0.0,
+                                                       "mask_ms_per_token": 0.0, "tokens": tokens,
+                                                       "sample": out.get("content", "")[:160]}
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return rows
+
+
 def apply_cost(n_vocab: int, reps: int = 200) -> float:
     logits = np.random.default_rng(0).standard_normal(n_vocab).astype(np.float32)
     mask = np.random.default_rng(1).random(n_vocab) < 0.3
@@ -164,6 +209,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=3)
     ap.add_argument("--models", default="smollm2,qwen")
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary (built from the llama-cpp-python "
+                    "sdist, see bench/spec.py): the peer, run on the same files after edgerun's rounds")
     ap.add_argument("--valid-n", type=int, default=8, help="sampled answers per model checked with jsonschema")
     ap.add_argument("--out", default="bench/results/structured.json")
     a = ap.parse_args()
@@ -216,6 +263,8 @@ def main() -> None:
             "acceptance": statistics.median(x["acceptance"] for x in rs),
             "mask_ms_per_token": statistics.median(x["mask_ms_per_token"] for x in rs),
             "tokens": rs[0]["tokens"], "sample": rs[0]["text"][:160]}
+    if a.llama_server:
+        results["rows"].update(llama_server_rows(a.llama_server, rts, a.tokens, a.threads, a.rounds))
     results["validity"] = {rt.model_name: validity(rt, a.valid_n) for rt in rts.values()}
     results["apply_mask_ms"] = {str(rt.target.n_vocab): apply_cost(rt.target.n_vocab) for rt in rts.values()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -223,7 +272,7 @@ def main() -> None:
     rows = results["rows"]
     print(f"\n{'system':34s} {'tok/s':>7s} {'vs plain':>8s} {'accept':>7s} {'mask ms/tok':>11s}")
     for label, row in rows.items():
-        base = rows.get("qwen1.5b plain" if label.startswith("qwen") else "smollm2 plain")
+        base = rows.get("qwen1.5b plain" if "qwen" in label else "smollm2 plain")
         ratio = row["tok_s"] / base["tok_s"] if base else float("nan")
         print(f"{label:34s} {row['tok_s']:7.1f} {ratio:8.2f} {row['acceptance']:7.1%} {row['mask_ms_per_token']:11.3f}")
     print(f"apply_mask per call (ms): {results['apply_mask_ms']}; vocabulary build (s): {results['vocab_build_s']}")
