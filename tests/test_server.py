@@ -615,3 +615,27 @@ def test_insecure_no_auth_says_what_it_opens(tiny_llama, tmp_path):
         assert "WITHOUT an API key" in srv.output
     finally:
         assert srv.terminate() == 0, srv.output
+
+
+# --- issue 20, defect 1: idle and slow connections --------------------------------------------------
+
+def test_idle_connections_do_not_take_the_service_down(server, http, model):
+    """100 connections that send nothing (the defect: 63 made every request, /health too, a plain 503);
+    then they are closed by the server once the read deadline passes."""
+    from edgerun.serve.run import READ_TIMEOUT_S
+
+    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(100)]
+    slow = socket.create_connection((host, int(port)))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")     # headers that never end
+    try:
+        assert http.get("/health").status_code == 200
+        r = http.post(COMPL, json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        for s in (*idle[:3], slow):
+            s.settimeout(READ_TIMEOUT_S + 10)
+            assert s.recv(1) == b""              # closed by the server, not by us
+    finally:
+        for s in (*idle, slow):
+            s.close()
+    assert http.get("/health").status_code == 200

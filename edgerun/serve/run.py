@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+from collections import Counter
 from typing import Any, Callable
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..errors import EdgerunError, ModelNotFound
 from .app import _State, create_app
@@ -37,6 +39,58 @@ def precheck(config: ServerConfig) -> None:
                 get_manifest(spec)
             except ModelNotFound:
                 raise first from None
+
+
+# Connections: how long a client may take to send a request's headers and body (slow or idle sockets are
+# closed after it), how many connections one non-loopback address may hold, and uvicorn's connection cap
+# (idle sockets count against it; above it every request, /health too, gets a plain 503).
+READ_TIMEOUT_S = 10.0
+PER_PEER_CONNECTIONS = 64
+MAX_CONNECTIONS = 512
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline for reading each request (headers and body) and a cap
+    on the connections of one non-loopback peer. uvicorn itself closes sockets idle between requests only
+    (keep-alive timeout); one that never sends a request, or trickles it, would stay open for ever."""
+
+    _per_peer: Counter = Counter()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._read_timer = None
+        self._peer = self.client[0] if self.client else None
+        _GuardedH11._per_peer[self._peer] += 1
+        if self._peer and not is_loopback(self._peer) and _GuardedH11._per_peer[self._peer] > PER_PEER_CONNECTIONS:
+            log.warning("closing a connection from %s: it holds more than %d", self._peer, PER_PEER_CONNECTIONS)
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer = self.loop.call_later(READ_TIMEOUT_S, self._read_deadline)
+
+    def _read_deadline(self) -> None:
+        self._read_timer = None
+        cycle = self.cycle
+        reading = cycle is None or cycle.response_complete or (cycle.more_body and not cycle.response_started)
+        if reading and not self.transport.is_closing():
+            self.transport.close()          # no whole request within the deadline: idle, slow headers or body
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()                         # the next request on this connection gets its own deadline
+
+    def connection_lost(self, exc) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        _GuardedH11._per_peer[self._peer] -= 1
+        if _GuardedH11._per_peer[self._peer] <= 0:
+            del _GuardedH11._per_peer[self._peer]
+        super().connection_lost(exc)
 
 
 class _UvicornServer(uvicorn.Server):
@@ -90,7 +144,7 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
     uv_config = uvicorn.Config(app, host=config.host, port=port, log_config=None, log_level=log_level,
                                access_log=False, lifespan="on", proxy_headers=False, server_header=False,
                                timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
-                               limit_concurrency=max(64, 4 * (config.queue + 1)))
+                               limit_concurrency=MAX_CONNECTIONS, http=_GuardedH11)
     server = _UvicornServer(uv_config)
     holder["server"] = server
 
