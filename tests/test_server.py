@@ -639,3 +639,22 @@ def test_idle_connections_do_not_take_the_service_down(server, http, model):
         for s in (*idle, slow):
             s.close()
     assert http.get("/health").status_code == 200
+
+
+def test_a_half_closed_client_gets_its_answer(server, model):
+    """Issue 20: a client that shuts down its sending side after the request (shutdown(SHUT_WR), as some
+    scripts and `nc -N` do) used to get nothing back."""
+    host, port = server.url.rsplit("//", 1)[1].rsplit(":", 1)
+    for stream in (False, True):
+        body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 3, "stream": stream}).encode()
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(30)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        s.close()
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+        assert (b"data: [DONE]" in data) if stream else (b'"finish_reason"' in data)

@@ -79,6 +79,17 @@ class _GuardedH11(H11Protocol):
         if reading and not self.transport.is_closing():
             self.transport.close()          # no whole request within the deadline: idle, slow headers or body
 
+    def eof_received(self) -> bool:
+        """A client that half-closes its side after the request (shutdown(SHUT_WR)) still gets the answer:
+        keep the transport open for writing while a request is being answered; close an idle one."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.more_body:                 # the body was cut short: nothing to answer
+                return False
+            cycle.keep_alive = False            # the answer is the last thing on this connection
+            return True
+        return False
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._arm()                         # the next request on this connection gets its own deadline
