@@ -213,3 +213,39 @@ def test_openai_client_bad_schema_is_a_400_and_the_server_keeps_serving(oai):
         "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
     assert r.choices[0].finish_reason == "length"
     assert oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4).choices[0].message.content is not None
+
+
+def test_a_corrupt_cached_model_is_noticed_by_serve(pulled, tmp_path):
+    """Issue 20: same-size corruption of a cached registry file (SD-card bit rot) passes every load check;
+    serve re-hashes it in the background after loading, logs it loudly and /health answers 503."""
+    import shutil
+    import time
+
+    import httpx
+
+    from edgerun.registry.cache import cached_path
+
+    src = cached_path(MODEL)
+    home = tmp_path / "home"
+    dest = home / src.relative_to(cache_dir())
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(src, dest)
+    with open(dest, "r+b") as f:                  # flip one byte of tensor data, far from the header
+        f.seek(dest.stat().st_size - 4096)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x5A]))
+    srv = ServerProcess(["--model", MODEL, "--no-pull", "--draft", "none", "--threads", "1", "--ctx", "256"],
+                        env=clean_env(home))
+    try:
+        deadline = time.monotonic() + 120
+        r = None
+        while time.monotonic() < deadline:
+            r = httpx.get(srv.url + "/health")
+            if r.json()["status"] == "corrupt_model":
+                break
+            time.sleep(0.5)
+        assert r is not None and r.status_code == 503 and r.json()["integrity"] == {MODEL: "corrupt"}, r.text
+        assert f"CACHED MODEL {MODEL} IS CORRUPT" in srv.output and f"edgerun pull {MODEL} --verify" in srv.output
+    finally:
+        srv.terminate()

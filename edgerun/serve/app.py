@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -33,6 +34,7 @@ from .metrics import GenerationRecord, Metrics
 from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
+from ..errors import EdgerunError
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
                        max_tokens_from, reject_unsupported, sampling_from, sse_data, stop_from, structure_from, usage,
                        validate)
@@ -59,6 +61,7 @@ class _State:
             self.model_names.add(Path(config.model).stem)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
+        self.integrity: dict[str, str] = {}      # registry model -> checking | ok | corrupt (pinned sha256)
 
     @property
     def model_id(self) -> str:
@@ -70,6 +73,37 @@ class _State:
         if runtime.drafter is None:
             self.metrics.observe_gamma(0)
         service.notify("READY=1", f"STATUS=serving {self.config.model} on {self.config.host}:{self.config.port}")
+        threading.Thread(target=self._verify_models, args=(getattr(runtime, "draft_name", None),),
+                         name="edgerun-verify", daemon=True).start()
+
+    def _verify_models(self, draft_name: str | None) -> None:
+        """After a load, re-hash the cached registry files against their pinned sha256 (same-size
+        corruption, e.g. SD-card bit rot, passes every load check). A mismatch is logged as an error
+        and /health answers 503 `corrupt_model`: the answers of a corrupt file are garbage."""
+        from ..registry.fetch import verify_cached
+        from ..registry.manifest import get_manifest
+
+        for name in (self.config.model, draft_name):
+            if not name or "@" in name or name in ("auto", "none", "lookup"):
+                continue
+            try:
+                get_manifest(name)
+            except EdgerunError:
+                continue                         # a path: nothing pins its content
+            self.integrity[name] = "checking"
+            try:
+                ok = verify_cached(name)
+            except OSError as e:
+                log.error("could not re-read the cached model %s: %s", name, e)
+                ok = False
+            self.integrity[name] = "ok" if ok else "corrupt"
+            if ok:
+                log.info("cached model %s matches its pinned sha256", name)
+            else:
+                log.error("CACHED MODEL %s IS CORRUPT: its file no longer matches the sha256 its manifest pins; "
+                          "answers are unreliable. Run `edgerun pull %s --verify` and restart the service.",
+                          name, name)
+                service.notify(f"STATUS=corrupt model file: {name} (edgerun pull {name} --verify)")
 
     def _on_load_error(self, exc: BaseException) -> None:
         service.notify(f"STATUS=failed to load the model: {exc}")
@@ -153,8 +187,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             body, status = {"status": "error", "error": str(sch.load_error)}, 503
         elif not sch.ready.is_set():
             body, status = {"status": "loading", "model": state.model_id}, 503
+        elif "corrupt" in state.integrity.values():
+            body, status = {"status": "corrupt_model", "model": state.model_id, "integrity": state.integrity}, 503
         else:
-            body, status = {"status": "ok", "model": state.model_id, "queue_depth": sch.depth, "busy": sch.busy}, 200
+            body, status = {"status": "ok", "model": state.model_id, "queue_depth": sch.depth, "busy": sch.busy,
+                            "integrity": state.integrity}, 200
         headers = {"Retry-After": "5"} if status == 503 else {}
         return JSONResponse(body, status_code=status, headers=headers)
 
