@@ -408,6 +408,12 @@ def test_queue_is_fifo_and_rejects_past_its_bound(tiny_llama):
         r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "seven", "max_tokens": 6})
         assert_error(r, 503, "queue_full")
         assert int(r.headers["retry-after"]) >= 1
+        # issue 20: a prompt that cannot fit is refused at once (400), even with the queue full: it never
+        # takes a queue slot nor the worker's time to tokenize
+        flood = {"model": model, "messages": [{"role": "user", "content": "<|im_start|>" * 4000}], "max_tokens": 1}
+        assert_error(httpx.post(srv.url + CHAT, json=flood), 400, "context_length_exceeded", "messages")
+        assert_error(httpx.post(srv.url + COMPL, json={"model": model, "prompt": "<|im_start|>" * 4000}), 400,
+                     "context_length_exceeded", "prompt")
         assert _metric(srv.url, "edgerun_queue_depth") == 2 and _metric(srv.url, "edgerun_busy") == 1
         rt.gate.set()
         for t in threads:

@@ -34,7 +34,7 @@ from .metrics import GenerationRecord, Metrics
 from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
-from ..errors import EdgerunError
+from ..errors import ContextOverflow, EdgerunError
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
                        max_tokens_from, reject_unsupported, sampling_from, sse_data, stop_from, structure_from, usage,
                        validate)
@@ -69,6 +69,9 @@ class _State:
 
     # worker-thread callbacks
     def _on_ready(self, runtime) -> None:
+        tok = getattr(runtime, "tokenizer", None)
+        if hasattr(tok, "max_token_bytes"):
+            tok.max_token_bytes          # computed once here (worker thread), not in a request handler
         log.info("model %s loaded (drafter: %s); ready", self.config.model, getattr(runtime, "draft_name", None))
         if runtime.drafter is None:
             self.metrics.observe_gamma(0)
@@ -218,6 +221,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
         messages = [chat_message(m) for m in req.messages]
+        _check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
         mt = max_tokens_from(req.max_tokens, "max_tokens")
         if req.max_completion_tokens is not None:
             mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
@@ -245,6 +249,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                 raise APIError(400, f"'prompt' must be one string or one list of token ids; batches of "
                                     f"{len(prompt)} prompts are not supported", param="prompt",
                                code="unsupported_parameter")
+        if isinstance(prompt, str):
+            _check_fits(state, len(prompt.encode("utf-8", "surrogatepass")), chat=False)
         structure, _, _ = structure_from(req, chat=False)
         job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
                   stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure)
@@ -352,6 +358,19 @@ class _Gate:
 
 
 
+
+
+def _check_fits(state: _State, n_bytes: int, *, chat: bool) -> None:
+    """A prompt too long to fit the context whatever its tokens: 400 here, before it takes a queue slot
+    (its tokenization would hold the one worker)."""
+    runtime = state.scheduler.runtime
+    check = getattr(getattr(runtime, "tokenizer", None), "check_fits", None)
+    if check is None:
+        return
+    try:
+        check(n_bytes, runtime.n_ctx)
+    except ContextOverflow as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from None
 
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
