@@ -124,3 +124,25 @@ def test_uncached_model_with_no_pull_exits_2_after_binding(tmp_path):
     srv = ServerProcess(["--model", "smollm2-135m-instruct", "--no-pull", *TINY_ARGS], env=clean_env(tmp_path))
     rc = srv.wait_exit(60)
     assert rc == 2 and "edgerun pull smollm2-135m-instruct" in srv.output, srv.output
+
+
+def test_the_watchdog_probe_asks_the_servers_own_socket(tiny_llama, tmp_path):
+    """Issue 20, defect 1: the watchdog also withholds its ping when the HTTP side stops answering; its
+    probe is a real GET /health on the bound socket."""
+    import asyncio
+    import socket
+
+    from edgerun.serve.app import http_answers
+
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS], env=clean_env(tmp_path))
+    try:
+        host, port = srv.url.rsplit("//", 1)[1].rsplit(":", 1)
+        assert asyncio.run(http_answers(host, int(port), timeout=5))          # answering (loading or ready)
+    finally:
+        assert srv.terminate() == 0, srv.output
+    with socket.socket() as s:                  # a port that accepts nothing: no answer
+        s.bind(("127.0.0.1", 0))
+        s.listen(0)
+        silent_port = s.getsockname()[1]
+        assert not asyncio.run(http_answers("127.0.0.1", silent_port, timeout=1))
+    assert not asyncio.run(http_answers("127.0.0.1", silent_port, timeout=1))    # closed: refused

@@ -61,6 +61,7 @@ class _State:
             self.model_names.add(Path(config.model).stem)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
+        self.bound: tuple[str, int] | None = None     # where the watchdog's self-probe connects (run.py sets it)
         self.integrity: dict[str, str] = {}      # registry model -> checking | ok | corrupt (pinned sha256)
 
     @property
@@ -609,17 +610,41 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
 
 
 async def _watchdog(state: _State) -> None:
-    """WATCHDOG=1 at half of WatchdogSec while the event loop runs and the worker is not stuck in one
-    step longer than the request time limit (+60 s); a stuck worker lets systemd restart the service."""
+    """WATCHDOG=1 at half of WatchdogSec while the event loop runs, the worker is not stuck in one step
+    longer than the request time limit (+60 s) and the server's own socket answers HTTP (two misses in a
+    row withhold it); systemd then restarts the service."""
     interval = service.watchdog_interval()
     if interval is None:
         return
     limit = state.config.timeout_s + 60.0
+    failures = 0
     while True:
         stuck = state.scheduler.stuck_for()
-        if stuck <= limit:
-            service.notify("WATCHDOG=1")
-        else:
+        answering = state.bound is None or await http_answers(*state.bound, timeout=min(5.0, interval))
+        failures = 0 if answering else failures + 1
+        if stuck > limit:
             log.error("the generation worker has been inside one step for %.0f s; withholding the watchdog "
                       "ping so systemd restarts the service", stuck)
+        elif failures >= 2:
+            log.error("the server's own HTTP socket has not answered /health %d times in a row; withholding the "
+                      "watchdog ping so systemd restarts the service", failures)
+        else:
+            service.notify("WATCHDOG=1")
         await asyncio.sleep(interval)
+
+
+async def http_answers(host: str, port: int, timeout: float = 5.0) -> bool:
+    """Whether an HTTP server answers GET /health on host:port within `timeout` (any status counts: the
+    question is whether requests get answers at all). The watchdog asks its own socket."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        return line.startswith(b"HTTP/1.")
+    except (OSError, asyncio.TimeoutError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()

@@ -152,6 +152,8 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
     holder: dict = {}
     app = create_app(config, load=load, request_exit=lambda: setattr(holder["server"], "should_exit", True))
     state: _State = app.state.edgerun
+    probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    state.bound = (probe_host, port)
     uv_config = uvicorn.Config(app, host=config.host, port=port, log_config=None, log_level=log_level,
                                access_log=False, lifespan="on", proxy_headers=False, server_header=False,
                                timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
