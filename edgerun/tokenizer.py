@@ -30,8 +30,9 @@ _PLAIN_TEMPLATE = (
 )
 
 
-# llama_token_attr bits (llama.h): UNDEFINED = 0, UNUSED = 1 << 1
-_ATTR_UNUSED = 1 << 1
+# llama_token_attr bits (llama.h)
+_ATTR_UNKNOWN, _ATTR_UNUSED, _ATTR_CONTROL, _ATTR_USER_DEFINED = 1 << 0, 1 << 1, 1 << 3, 1 << 4
+_ATTR_LSTRIP, _ATTR_RSTRIP = 1 << 7, 1 << 8
 _PAD_TEXT = re.compile(r"^(\[PAD\d+\]|<\|?pad(_?\d+)?\|?>|<unused\d+>)$", re.IGNORECASE)
 
 
@@ -68,6 +69,7 @@ class Tokenizer:
         self._fingerprint: str | None = None
         self._texts: list[str] | None = None
         self._max_bytes: int | None = None
+        self._specials: tuple | None = None
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
@@ -119,7 +121,6 @@ class Tokenizer:
                  limit: int | None = None) -> list[int]:
         """Text -> token ids. limit: refuse (ContextOverflow) a text that cannot be at most `limit` tokens,
         without tokenizing it."""
-        lib = llama_lib.lib()
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:    # a lone surrogate (JSON "\ud800", or invalid UTF-8 bytes from argv)
@@ -128,6 +129,49 @@ class Tokenizer:
         if limit is not None:
             self.check_fits(len(data), limit)
         add = self.add_bos if add_bos is None else add_bos
+        if special and self._special_re() is not None:
+            return self._tokenize_specials(text, add)
+        return self._llama_tokenize(data, special, add)
+
+    def _special_re(self):
+        """A regex of the special tokens' texts, longest first, for splitting text at them in linear time
+        (llama.cpp's own special-token pass is quadratic in their count: 40,000 `<|im_start|>` take
+        seconds). None where a special token strips whitespace next to it (lstrip/rstrip attributes):
+        llama.cpp's pass handles those, so it is used as is."""
+        if self._specials is None:
+            types = self.token_types()
+            texts = self.token_texts()
+            specials = {}
+            strips = False
+            for i, (t, a) in enumerate(zip(texts, types)):
+                if a & (_ATTR_UNKNOWN | _ATTR_CONTROL | _ATTR_USER_DEFINED) and t:
+                    specials.setdefault(t, i)
+                    strips |= bool(a & (_ATTR_LSTRIP | _ATTR_RSTRIP))
+            if strips or not specials:
+                self._specials = (None, {})
+            else:
+                alts = sorted(specials, key=len, reverse=True)
+                self._specials = (re.compile("|".join(re.escape(a) for a in alts)), specials)
+        return self._specials[0]
+
+    def _tokenize_specials(self, text: str, add_bos: bool) -> list[int]:
+        pattern, ids = self._specials
+        lib = llama_lib.lib()
+        add_b = add_bos and bool(lib.llama_vocab_get_add_bos(self._vocab)) and self.bos_id >= 0
+        add_e = add_bos and bool(lib.llama_vocab_get_add_eos(self._vocab)) and self.eos_id >= 0
+        out: list[int] = [self.bos_id] if add_b else []      # what llama.cpp's add_special adds
+        pos = 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                out += self._llama_tokenize(text[pos:m.start()].encode("utf-8"), False, False)
+            out.append(ids[m.group(0)])
+            pos = m.end()
+        if pos < len(text):
+            out += self._llama_tokenize(text[pos:].encode("utf-8"), False, False)
+        return out + ([self.eos_id] if add_e else [])
+
+    def _llama_tokenize(self, data: bytes, special: bool, add: bool) -> list[int]:
+        lib = llama_lib.lib()
         n_max = len(data) + 8
         buf = (ctypes.c_int32 * n_max)()
         n = lib.llama_tokenize(self._vocab, data, len(data), buf, n_max, add, special)

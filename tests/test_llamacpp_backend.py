@@ -113,7 +113,39 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(backend, monkeypa
     with pytest.raises(ContextOverflow, match="bytes"):
         tk.chat_prompt_tokens([{"role": "user", "content": flood}], limit=256)
     assert calls == []
-    assert len(tk.tokenize("<|im_start|>" * 10, limit=256)) == 10 and calls
+    assert len(tk.tokenize("<|im_start|>" * 10, limit=256)) == 10
+    assert tk.tokenize("hello", limit=256) and calls        # the patched function is the one edgerun calls
+
+
+def test_special_tokens_are_split_in_linear_time_with_llama_cpps_result(backend, monkeypatch):
+    """Issue 20, defect 3: llama.cpp's special-token pass is quadratic in the number of special tokens
+    (40,000 `<|im_start|>` took 3.5 s for Qwen2.5); edgerun splits at them itself (one regex pass) and
+    tokenizes the text between without specials. The ids equal llama.cpp's own, on random mixtures of
+    every cached template's special tokens and text."""
+    import random
+
+    import llama_cpp
+
+    rng = random.Random(0)
+    for tk in _shipped_tokenizers(backend):
+        specials = list(tk._specials[1]) if tk._special_re() is not None else []
+        assert specials, tk.source
+        texts = ["Hello world", "<|im_start|>user\nhi<|im_end|>\n", "a<|im_end|>b<|endoftext|>", ""]
+        texts += ["".join(rng.choice(specials + ["abc", " ", "\n", "héllo", "<|", "|>", "<", ">"]) for _ in range(12))
+                  for _ in range(25)]
+        for text in texts:
+            for add in (True, False):
+                assert tk.tokenize(text, special=True, add_bos=add) == tk._llama_tokenize(text.encode(), True, add), \
+                    (tk.source, text)
+        calls = []
+        real = llama_cpp.llama_tokenize
+        monkeypatch.setattr(llama_cpp, "llama_tokenize", lambda *a: calls.append(a[-1]) or real(*a))
+        flood = tk.tokenize("<|im_start|>" * 40000, special=True, add_bos=False)
+        monkeypatch.setattr(llama_cpp, "llama_tokenize", real)
+        start = tk.tokenize("<|im_start|>", special=True, add_bos=False)
+        if len(start) == 1:
+            assert flood == start * 40000
+        assert True not in calls                  # llama.cpp's special pass never ran
 
 
 def test_bad_files(tmp_path, tiny_llama):
