@@ -34,7 +34,8 @@ usage: install.sh [options]
                      requirement such as 'edgerun[serve]==0.1.0'
   --python PY        Python (>= 3.10) that creates the venv (default python3)
   --no-start         enable the service but do not (re)start it now
-  --root DIR         read the board identity files under DIR instead of / (tests)
+  --root DIR         read the board identity files under DIR instead of / (tests, emulation;
+                     exported as EDGERUN_DEVICE_ROOT, so edgerun's own detection reads there too)
 EOF
 }
 
@@ -54,6 +55,8 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+
+if [ "$root" != / ]; then export EDGERUN_DEVICE_ROOT="$root"; fi
 
 venv="$prefix/venv"
 env_file="$etc_dir/edgerun.env"
