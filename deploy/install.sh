@@ -24,6 +24,7 @@ python=python3
 start=1
 root=/
 llama_wheel=""
+offline=0
 
 usage() {
     cat <<EOF
@@ -37,6 +38,8 @@ usage: install.sh [options]
                      requirement such as 'edgerun[serve]==0.1.0'
   --python PY        Python (>= 3.10) that creates the venv (default python3)
   --no-start         enable the service but do not (re)start it now
+  --offline          systemd is not running (a chroot, an image build): enable the unit in the
+                     file system only (automatic when /run/systemd/system is missing)
   --llama-wheel FILE install this llama-cpp-python wheel instead of building it here (one built
                      with the board profile's CMAKE_ARGS, e.g. by bench/boards/emulate_pi.sh)
   --root DIR         read the board identity files under DIR instead of / (tests, emulation;
@@ -54,6 +57,7 @@ while [ $# -gt 0 ]; do
         --source) source_spec="${2:?--source needs a value}"; shift ;;
         --python) python="${2:?--python needs a value}"; shift ;;
         --no-start) start=0 ;;
+        --offline) offline=1 ;;
         --root) root="${2:?--root needs a value}"; shift ;;
         --llama-wheel) llama_wheel="${2:?--llama-wheel needs a value}"; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -253,6 +257,17 @@ case "$board" in
 esac
 
 # --- 6. systemd ------------------------------------------------------------------------------------
+# Offline (--offline, or systemd not running here: a chroot, an image being built): enable the unit
+# in the file system only; it starts at the next boot.
+if [ "$offline" = 0 ] && [ "$dry" = 0 ] && [ ! -d /run/systemd/system ]; then
+    say "systemd is not running here (no /run/systemd/system): installing offline"
+    offline=1
+fi
+if [ "$offline" = 1 ]; then
+    run systemctl --root=/ enable edgerun.service
+    say "enabled offline; edgerun.service starts at the next boot of this system"
+    exit 0
+fi
 run systemctl daemon-reload
 run systemctl enable edgerun.service
 if [ "$start" = 1 ]; then

@@ -192,6 +192,13 @@ def test_install_with_a_prebuilt_llama_wheel_skips_the_build(tmp_path):
     assert r.returncode == 2 and f"is not a llama_cpp_python-{LLAMA_PIN}-*.whl" in r.stderr
 
 
+def test_install_offline_enables_without_a_running_systemd(tmp_path):
+    out = _install(tmp_path, "--profile", "rpi4-8gb", "--offline").stdout
+    assert _command(out, "systemctl") == ["systemctl", "--root=/", "enable", "edgerun.service"]
+    steps = [ln for ln in out.splitlines() if ln.startswith("+ systemctl")]
+    assert steps == ["+ systemctl --root=/ enable edgerun.service"] and "starts at the next boot" in out
+
+
 def test_install_root_reaches_edgerun_detection(tmp_path):
     # --root is exported as EDGERUN_DEVICE_ROOT: the Python detection (not only the shell fallback) reads there
     root = tmp_path / "board"

@@ -290,7 +290,7 @@ if want install; then
     say "install: deploy/install.sh in the emulated $p (llama.cpp build replaced by $(basename "$w"))"
     rm -rf "$rootfs/src/edgerun"; mkdir -p "$rootfs/src/edgerun"
     git -C "$repo" archive HEAD | tar -x -C "$rootfs/src/edgerun"
-    rm -rf "$rootfs/opt/edgerun" "$rootfs/etc/edgerun" "$rootfs/etc/systemd/system/edgerun.service"
+    rm -rf "$rootfs/etc/edgerun" "$rootfs/etc/systemd/system/edgerun.service"   # the venv stays: install.sh reuses it
     in_pi PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels -- bash /src/edgerun/deploy/install.sh --root "/boards/$p" \
         --source /src/edgerun --llama-wheel "/wheels/$p/$(basename "$w")" --no-start 2>&1 | tee "$results/install.log"
     in_pi -- systemd-analyze verify /etc/systemd/system/edgerun.service 2>&1 | tee "$results/install.verify.log"
