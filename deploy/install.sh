@@ -2,10 +2,12 @@
 # Install edgerun as a systemd service on this board.
 #
 #   sudo deploy/install.sh [--dry-run] [--profile NAME] [--prefix /opt/edgerun] [--source DIR|SPEC]
+#                          [--llama-wheel FILE]
 #
 # Steps: create a venv under PREFIX; install edgerun's light dependencies and edgerun itself;
 # detect the board (`edgerun service build-flags`, i.e. the device profile); build llama-cpp-python
-# from source with that profile's CMAKE_ARGS (CUDA on Jetson, Metal on Apple, NEON on a Pi);
+# from source with that profile's CMAKE_ARGS (CUDA on Jetson, Metal on Apple, NEON on a Pi), or
+# install a wheel already built with them (--llama-wheel: e.g. cross-built for a fleet of Pis);
 # install the rest; write /etc/edgerun/edgerun.env (kept if it exists) and the unit
 # (`edgerun service print`); systemctl daemon-reload, enable and (re)start the service.
 # --dry-run prints every step without doing any of it (nothing is created or changed).
@@ -21,6 +23,8 @@ profile=auto
 python=python3
 start=1
 root=/
+llama_wheel=""
+offline=0
 
 usage() {
     cat <<EOF
@@ -34,7 +38,12 @@ usage: install.sh [options]
                      requirement such as 'edgerun[serve]==0.1.0'
   --python PY        Python (>= 3.10) that creates the venv (default python3)
   --no-start         enable the service but do not (re)start it now
-  --root DIR         read the board identity files under DIR instead of / (tests)
+  --offline          systemd is not running (a chroot, an image build): enable the unit in the
+                     file system only (automatic when /run/systemd/system is missing)
+  --llama-wheel FILE install this llama-cpp-python wheel instead of building it here (one built
+                     with the board profile's CMAKE_ARGS, e.g. by bench/boards/emulate_pi.sh)
+  --root DIR         read the board identity files under DIR instead of / (tests, emulation;
+                     exported as EDGERUN_DEVICE_ROOT, so edgerun's own detection reads there too)
 EOF
 }
 
@@ -48,12 +57,16 @@ while [ $# -gt 0 ]; do
         --source) source_spec="${2:?--source needs a value}"; shift ;;
         --python) python="${2:?--python needs a value}"; shift ;;
         --no-start) start=0 ;;
+        --offline) offline=1 ;;
         --root) root="${2:?--root needs a value}"; shift ;;
+        --llama-wheel) llama_wheel="${2:?--llama-wheel needs a value}"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
     shift
 done
+
+if [ "$root" != / ]; then export EDGERUN_DEVICE_ROOT="$root"; fi
 
 venv="$prefix/venv"
 env_file="$etc_dir/edgerun.env"
@@ -178,9 +191,22 @@ say "board: $board ($reason)"
 say "llama-cpp-python $llama_pin with CMAKE_ARGS='$cmake_args'"
 
 # --- 3. llama-cpp-python built for this board, then the rest of edgerun ---------------------------
-run env "CMAKE_ARGS=$cmake_args" FORCE_CMAKE=1 ${build_env[@]+"${build_env[@]}"} \
-    "$venv/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python \
-    "llama-cpp-python==$llama_pin"
+if [ -n "$llama_wheel" ]; then
+    case "$(basename "$llama_wheel")" in
+        llama_cpp_python-"$llama_pin"-*.whl) ;;
+        *) echo "install.sh: --llama-wheel $llama_wheel is not a llama_cpp_python-$llama_pin-*.whl" \
+                "(edgerun pins llama-cpp-python==$llama_pin)" >&2; exit 2 ;;
+    esac
+    if [ ! -f "$llama_wheel" ] && [ "$dry" = 0 ]; then
+        echo "install.sh: --llama-wheel $llama_wheel does not exist" >&2; exit 2
+    fi
+    say "llama-cpp-python from $llama_wheel (built elsewhere; it must have been built with the CMAKE_ARGS above)"
+    run "$venv/bin/python" -m pip install --no-cache-dir "$llama_wheel"
+else
+    run env "CMAKE_ARGS=$cmake_args" FORCE_CMAKE=1 ${build_env[@]+"${build_env[@]}"} \
+        "$venv/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python \
+        "llama-cpp-python==$llama_pin"
+fi
 run "$venv/bin/python" -m pip install "$pkg_serve"
 
 if [ "$os" != Linux ]; then
@@ -231,6 +257,17 @@ case "$board" in
 esac
 
 # --- 6. systemd ------------------------------------------------------------------------------------
+# Offline (--offline, or systemd not running here: a chroot, an image being built): enable the unit
+# in the file system only; it starts at the next boot.
+if [ "$offline" = 0 ] && [ "$dry" = 0 ] && [ ! -d /run/systemd/system ]; then
+    say "systemd is not running here (no /run/systemd/system): installing offline"
+    offline=1
+fi
+if [ "$offline" = 1 ]; then
+    run systemctl --root=/ enable edgerun.service
+    say "enabled offline; edgerun.service starts at the next boot of this system"
+    exit 0
+fi
 run systemctl daemon-reload
 run systemctl enable edgerun.service
 if [ "$start" = 1 ]; then

@@ -537,7 +537,8 @@ def profile_show(name, as_json):
 
 
 @profile_group.command("detect")
-@click.option("--root", default="/", show_default=True, help="Read the board's identity files under this directory.")
+@click.option("--root", default=None, help="Read the board's identity files under this directory "
+              "(default: $EDGERUN_DEVICE_ROOT, else /).")
 @click.option("--json", "as_json", is_flag=True, help="Print the chosen profile, the reason and the facts as JSON.")
 def profile_detect(root, as_json):
     """Detect the device and say which profile fits and why."""

@@ -180,6 +180,36 @@ def test_install_detects_from_board_files_without_python_packages(tmp_path, file
     assert f"llama-cpp-python=={LLAMA_PIN}" in build
 
 
+def test_install_with_a_prebuilt_llama_wheel_skips_the_build(tmp_path):
+    wheel = f"/wheels/llama_cpp_python-{LLAMA_PIN}-py3-none-linux_aarch64.whl"
+    out = _install(tmp_path, "--profile", "rpi5-8gb", "--llama-wheel", wheel).stdout
+    assert "--no-binary" not in out
+    assert _command(out, "llama_cpp_python-")[-1] == wheel
+    assert "built elsewhere; it must have been built with the CMAKE_ARGS above" in out
+    r = subprocess.run(["bash", str(DEPLOY / "install.sh"), "--dry-run", "--profile", "rpi5-8gb",
+                        "--llama-wheel", "/wheels/llama_cpp_python-0.0.1-py3-none-any.whl"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"is not a llama_cpp_python-{LLAMA_PIN}-*.whl" in r.stderr
+
+
+def test_install_offline_enables_without_a_running_systemd(tmp_path):
+    out = _install(tmp_path, "--profile", "rpi4-8gb", "--offline").stdout
+    assert _command(out, "systemctl") == ["systemctl", "--root=/", "enable", "edgerun.service"]
+    steps = [ln for ln in out.splitlines() if ln.startswith("+ systemctl")]
+    assert steps == ["+ systemctl --root=/ enable edgerun.service"] and "starts at the next boot" in out
+
+
+def test_install_root_reaches_edgerun_detection(tmp_path):
+    # --root is exported as EDGERUN_DEVICE_ROOT: the Python detection (not only the shell fallback) reads there
+    root = tmp_path / "board"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "boards" / "rpi4-8gb", root)
+    (root / "proc/meminfo").unlink()                 # a warning only a read of this root can produce
+    out = _install(tmp_path, "--root", str(root)).stdout
+    board = "rpi4-8gb" if os.uname().machine == "aarch64" else "generic-x86_64-cpu"
+    line = next(ln for ln in out.splitlines() if ln.startswith("==> board: "))
+    assert line.startswith(f"==> board: {board} (") and "/proc/meminfo missing" in line, line
+
+
 def test_install_rejects_unknown_options():
     r = subprocess.run(["bash", str(DEPLOY / "install.sh"), "--dry-run", "--frobnicate"], capture_output=True,
                        text=True, timeout=60)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -132,35 +133,91 @@ def _board(root: Path, *, model: str | None = None, compatible: list[str] | None
     return root
 
 
-L4T = "# R36 (release), REVISION: 3.0, GCID: 36923193, BOARD: generic, EABI: aarch64"
-
-BOARDS = {
-    "jetson-orin-nano-8gb": dict(model="NVIDIA Jetson Orin Nano Developer Kit", tegra=L4T, mem_gib=7.4,
-                                 compatible=["nvidia,p3768-0000+p3767-0005", "nvidia,p3767-0005", "nvidia,tegra234"]),
-    "jetson-orin-nx-16gb": dict(model="NVIDIA Jetson Orin NX Engineering Reference Developer Kit", tegra=L4T,
-                                mem_gib=15.3, compatible=["nvidia,p3768-0000+p3767-0000", "nvidia,p3767-0000",
-                                                          "nvidia,tegra234"]),
-    "jetson-agx-orin-64gb": dict(model="Jetson AGX Orin Developer Kit", tegra=L4T, mem_gib=61.4,
-                                 compatible=["nvidia,p3737-0000+p3701-0005", "nvidia,p3701-0005", "nvidia,tegra234"]),
-    "rpi5-8gb": dict(model="Raspberry Pi 5 Model B Rev 1.0", compatible=["raspberrypi,5-model-b", "brcm,bcm2712"],
-                     mem_gib=7.9),
-    "rpi4-8gb": dict(model="Raspberry Pi 4 Model B Rev 1.4", compatible=["raspberrypi,4-model-b", "brcm,bcm2711"],
-                     mem_gib=7.6),
-}
+# Real boards' identity files (contents and sources: tests/fixtures/boards/README.md).
+FIXTURES = Path(__file__).parent / "fixtures" / "boards"
+LINUX_BOARDS = sorted(d.name for d in FIXTURES.iterdir() if d.is_dir())
 APPLE = {"apple-m1": "Apple M1", "apple-m2": "Apple M2 Pro", "apple-m3": "Apple M3 Max", "apple-m4": "Apple M4"}
 
 
+def _copy_board(name: str, dest: Path) -> Path:
+    shutil.copytree(FIXTURES / name, dest)
+    return dest
+
+
 def test_every_shipped_profile_has_a_detection_case():
-    covered = set(BOARDS) | set(APPLE) | {"generic-x86_64-cpu", "generic-arm64-cpu"}
+    assert set(LINUX_BOARDS) == {"rpi4-8gb", "rpi5-8gb", "jetson-orin-nano-8gb", "jetson-orin-nx-16gb",
+                                 "jetson-agx-orin-64gb"}
+    covered = set(LINUX_BOARDS) | set(APPLE) | {"generic-x86_64-cpu", "generic-arm64-cpu"}
     assert covered == set(SHIPPED)
 
 
-@pytest.mark.parametrize("name", sorted(BOARDS))
-def test_detect_linux_boards(tmp_path, name):
-    root = _board(tmp_path / "root", **BOARDS[name])
-    prof, reason = D.detect(root, system="Linux", machine="aarch64")
+@pytest.mark.parametrize("name", LINUX_BOARDS)
+def test_detect_real_board_files(name, caplog):
+    prof, reason = D.detect(FIXTURES / name, system="Linux", machine="aarch64")
     assert prof.name == name, reason
-    assert "device tree" in reason
+    assert "device tree" in reason and "OUTSIDE" not in reason and "warning" not in reason
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    facts = D.gather_facts(FIXTURES / name, system="Linux", machine="aarch64")
+    assert facts.missing == (() if name.startswith("jetson") else ("/etc/nv_tegra_release",))
+    assert facts.is_tegra == name.startswith("jetson")
+    assert "asimd" in facts.cpu_features and ("asimddp" in facts.cpu_features) == (name != "rpi4-8gb")
+
+
+@pytest.mark.parametrize("name", LINUX_BOARDS)
+def test_one_missing_file_keeps_the_board_and_a_missing_meminfo_is_named(tmp_path, name):
+    for f in sorted(p for p in (FIXTURES / name).rglob("*") if p.is_file()):
+        rel = f.relative_to(FIXTURES / name)
+        root = _copy_board(name, tmp_path / str(rel).replace("/", "_"))
+        (root / rel).unlink()
+        prof, reason = D.detect(root, system="Linux", machine="aarch64")
+        assert prof.name == name, (rel, reason)          # another file still identifies the board
+        assert ("/proc/meminfo missing" in reason) == (str(rel) == "proc/meminfo"), (rel, reason)
+
+
+@pytest.mark.parametrize("name", LINUX_BOARDS)
+def test_board_without_device_tree_falls_back_to_generic_with_a_warning_naming_the_files(tmp_path, name, caplog):
+    root = _copy_board(name, tmp_path / "root")
+    shutil.rmtree(root / "proc/device-tree")
+    if name.startswith("rpi"):
+        # a Raspberry Pi kernel also names the board in /proc/cpuinfo ("Model : Raspberry Pi 5 Model B Rev 1.0")
+        prof, reason = D.detect(root, system="Linux", machine="aarch64")
+        assert prof.name == name and "/proc/cpuinfo Model" in reason, reason
+        (root / "proc/cpuinfo").unlink()
+    prof, reason = D.detect(root, system="Linux", machine="aarch64")
+    assert prof.name == "generic-arm64-cpu", reason
+    assert "/proc/device-tree/model and /proc/device-tree/compatible missing" in reason
+    assert ("a Tegra board" in reason) == name.startswith("jetson")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("/proc/device-tree/model" in w and "--profile" in w for w in warned), warned
+
+
+def test_a_dotprod_build_on_a_cpu_without_dotprod_is_warned(tmp_path):
+    # the Pi 5 profile's build uses dotprod; a Pi 4's Cortex-A72 (its real cpuinfo) lacks it
+    root = _copy_board("rpi5-8gb", tmp_path / "root")
+    shutil.copy(FIXTURES / "rpi4-8gb/proc/cpuinfo", root / "proc/cpuinfo")
+    prof, reason = D.detect(root, system="Linux", machine="aarch64")
+    assert prof.name == "rpi5-8gb" and "SIGILL" in reason and "asimddp" in reason
+
+
+def test_device_root_env_reaches_auto_resolution_and_the_cli(monkeypatch):
+    import json
+    import platform
+
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")   # the fixtures are arm64 boards
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setenv("EDGERUN_DEVICE_ROOT", str(FIXTURES / "rpi4-8gb"))
+    assert D.resolve("auto")[0].name == "rpi4-8gb"
+    r = CliRunner().invoke(main, ["service", "build-flags", "--profile", "auto"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["cmake_args"] == "-DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH=armv8-a"
+    r = CliRunner().invoke(main, ["profile", "detect", "--json", "--root", str(FIXTURES / "jetson-orin-nx-16gb")])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["profile"] == "jetson-orin-nx-16gb" and d["facts"]["missing"] == []
 
 
 def test_detect_jetson_from_compatible_only(tmp_path):
@@ -195,7 +252,8 @@ def test_detect_unknown_arm_board_and_intel_mac_are_generic(tmp_path):
 
 def test_memory_breaks_ties_and_is_reported(tmp_path):
     # a Pi 5 with 4 GB still gets the Pi 5 build flags, and the reason says memory is outside the range
-    root = _board(tmp_path / "root", **{**BOARDS["rpi5-8gb"], "mem_gib": 3.9})
+    root = _copy_board("rpi5-8gb", tmp_path / "root")
+    (root / "proc/meminfo").write_text(f"MemTotal:       {int(3.9 * 1024 * 1024)} kB\n")
     prof, reason = D.detect(root, system="Linux", machine="aarch64")
     assert prof.name == "rpi5-8gb" and "OUTSIDE" in reason
 

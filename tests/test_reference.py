@@ -65,3 +65,21 @@ def test_hf_checkpoint_reads_as_the_same_model(tmp_path, arch):
     assert g.cfg == h.cfg
     for n in g.tensor_names():
         np.testing.assert_array_equal(g.tensor(n), h.tensor(n), err_msg=n)
+
+
+def test_top1_agreement_counts_differences_and_near_ties():
+    from edgerun.eval.agreement import top1_agreement
+
+    rng = np.random.default_rng(0)
+    b = rng.normal(size=(50, 40))
+    a = b + rng.normal(scale=1e-3, size=b.shape)
+    r = top1_agreement(a, b)
+    assert r["top1_agreement"] == 1.0 and r["n_differ"] == 0 and r["max_abs_diff"] < 0.01
+    top = b[7].argmax()
+    a[7, (top + 1) % 40] = b[7, top] + 5.0              # one clear disagreement
+    b[9, (b[9].argmax() + 1) % 40] = b[9].max() - 1e-6   # one near-tie in b, flipped in a
+    a[9] = b[9]
+    a[9, (b[9].argmax() + 1) % 40] += 1e-5
+    r = top1_agreement(a, b)
+    assert r["n_differ"] == 2 and r["top1_agreement"] == 48 / 50
+    assert r["near_ties_excluded"] >= 1 and r["top1_excluding_near_ties"] > r["top1_agreement"]

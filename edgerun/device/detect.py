@@ -1,4 +1,9 @@
 """Detection: read a board's identity files below a root path and pick the profile that fits.
+
+Every file is read below one root (`device_root()`: "/" unless $EDGERUN_DEVICE_ROOT names another
+directory), so a test, `edgerun profile detect --root DIR`, deploy/install.sh --root and the emulated
+Pi (bench/boards/) can point detection at a copy of a real board's files
+(tests/fixtures/boards/ holds five, with their sources).
 """
 
 from __future__ import annotations
@@ -23,7 +28,18 @@ log = logging.getLogger(__name__)
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 
+# The identity files, relative to the root (the device-tree pair also under /sys/firmware/devicetree/base).
+TEGRA_RELEASE = "etc/nv_tegra_release"
+DT_MODEL = "proc/device-tree/model"
+DT_COMPATIBLE = "proc/device-tree/compatible"
+CPUINFO = "proc/cpuinfo"
+MEMINFO = "proc/meminfo"
+_DT_ALT = "sys/firmware/devicetree/base/"
 
+
+def device_root() -> str:
+    """Where the board's identity files are read: $EDGERUN_DEVICE_ROOT, else "/"."""
+    return os.environ.get("EDGERUN_DEVICE_ROOT") or "/"
 
 # ----------------------------------------------------------------------------------------------
 # Detection
@@ -40,6 +56,9 @@ class DeviceFacts:
     dt_compatible: tuple[str, ...]   # /proc/device-tree/compatible entries
     cpu_brand: str | None            # macOS machdep.cpu.brand_string, or /proc/cpuinfo model name
     mem_total_bytes: int
+    cpu_model: str | None = None     # /proc/cpuinfo "Model" line (Raspberry Pi kernels write the board name)
+    cpu_features: tuple[str, ...] = ()   # /proc/cpuinfo "Features" of the first CPU (arm64: asimd, asimddp, ...)
+    missing: tuple[str, ...] = ()    # identity files that could not be read, as "/proc/device-tree/model"
 
     @property
     def is_tegra(self) -> bool:
@@ -63,29 +82,42 @@ def _sysctl(key: str) -> str | None:
     return out.stdout.strip() or None
 
 
-def gather_facts(root: str | os.PathLike = "/", *, system: str | None = None, machine: str | None = None,
+def gather_facts(root: str | os.PathLike | None = None, *, system: str | None = None, machine: str | None = None,
                  sysctl: Callable[[str], str | None] | None = None) -> DeviceFacts:
-    """Read the identity files under `root`. system/machine/sysctl default to this machine's."""
-    r = Path(root)
+    """Read the identity files under `root` (default device_root()). system/machine/sysctl default to
+    this machine's."""
+    r = Path(device_root() if root is None else root)
     system = system or platform.system()
     machine = machine or platform.machine()
     if sysctl is None:
         sysctl = _sysctl if system == "Darwin" else (lambda key: None)
-    rel = _read_text(r / "etc/nv_tegra_release")
-    model = _read_text(r / "proc/device-tree/model") or _read_text(r / "sys/firmware/devicetree/base/model")
-    compat = (_read_text(r / "proc/device-tree/compatible")
-              or _read_text(r / "sys/firmware/devicetree/base/compatible") or "")
+    missing: list[str] = []
+
+    def read(rel: str, alt: str | None = None) -> str | None:
+        text = _read_text(r / rel)
+        if text is None and alt is not None:
+            text = _read_text(r / alt)
+        if text is None:
+            missing.append("/" + rel)
+        return text
+
+    rel = read(TEGRA_RELEASE)
+    model = read(DT_MODEL, _DT_ALT + "model")
+    compat = read(DT_COMPATIBLE, _DT_ALT + "compatible") or ""
+    cpuinfo = read(CPUINFO) or ""
+    meminfo = read(MEMINFO)
+    fields: dict[str, str] = {}
+    for ln in cpuinfo.splitlines():          # the first occurrence of each key (CPU 0, then the board lines)
+        key, sep, value = ln.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
     cpu_brand = sysctl("machdep.cpu.brand_string")
     if cpu_brand is None:
-        cpuinfo = _read_text(r / "proc/cpuinfo") or ""
-        cpu_brand = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines()
-                          if ln.lower().startswith(("model name", "hardware"))), None)
+        cpu_brand = fields.get("model name") or fields.get("hardware")
     mem = None
-    meminfo = _read_text(r / "proc/meminfo")
-    if meminfo:
-        for ln in meminfo.splitlines():
-            if ln.startswith("MemTotal:"):
-                mem = int(ln.split()[1]) * 1024
+    for ln in (meminfo or "").splitlines():
+        if ln.startswith("MemTotal:"):
+            mem = int(ln.split()[1]) * 1024
     if mem is None:
         memsize = sysctl("hw.memsize")
         mem = int(memsize) if memsize and memsize.isdigit() else psutil.virtual_memory().total
@@ -94,7 +126,9 @@ def gather_facts(root: str | os.PathLike = "/", *, system: str | None = None, ma
         tegra_release=None if rel is None else (rel.strip().splitlines() or [""])[0],
         dt_model=model.strip("\x00\n ") if model else None,
         dt_compatible=tuple(c for c in compat.split("\x00") if c.strip()),
-        cpu_brand=cpu_brand, mem_total_bytes=mem)
+        cpu_brand=cpu_brand, mem_total_bytes=mem,
+        cpu_model=fields.get("model"), cpu_features=tuple(fields.get("features", "").split()),
+        missing=tuple(missing) if system == "Linux" else ())
 
 
 def _match(p: DeviceProfile, f: DeviceFacts) -> tuple[bool, bool, float, list[str]]:
@@ -115,11 +149,13 @@ def _match(p: DeviceProfile, f: DeviceFacts) -> tuple[bool, bool, float, list[st
             why.append(f"/etc/nv_tegra_release {f.tegra_release!r}" if f.tegra_release is not None
                        else "'nvidia,tegra*' in /proc/device-tree/compatible")
     if m.board_any:
-        hay = [s for s in (f.dt_model, *f.dt_compatible) if s]
-        hit = next(((s, h) for s in m.board_any for h in hay if s.lower() in h.lower()), None)
+        hay = [("device tree", s) for s in (f.dt_model, *f.dt_compatible) if s]
+        if f.cpu_model and not hay:            # only without a device tree: the device tree speaks first
+            hay.append(("/proc/cpuinfo Model", f.cpu_model))
+        hit = next(((s, where, h) for s in m.board_any for where, h in hay if s.lower() in h.lower()), None)
         if hit is None:
             return False, False, 0.0, []
-        why.append(f"device tree {hit[1]!r} contains {hit[0]!r}")
+        why.append(f"{hit[1]} {hit[2]!r} contains {hit[0]!r}")
     if m.cpu_brand_any:
         brand = f.cpu_brand or ""
         hit = next((s for s in m.cpu_brand_any if s.lower() in brand.lower()), None)
@@ -135,9 +171,28 @@ def _match(p: DeviceProfile, f: DeviceFacts) -> tuple[bool, bool, float, list[st
     return True, dist == 0, dist, why
 
 
-def detect(root: str | os.PathLike = "/", *, system: str | None = None, machine: str | None = None,
+def _warnings(best: DeviceProfile, f: DeviceFacts) -> list[str]:
+    """What the caller should know about this choice: files that were missing, a build the CPU can't run."""
+    out = []
+    generic = best.match.priority == 0 and not best.match.board_any and not best.match.cpu_brand_any
+    board_files = [m for m in f.missing if m in ("/" + DT_MODEL, "/" + DT_COMPATIBLE)]
+    if generic and f.machine in ("aarch64", "arm64") and board_files:
+        tegra = " (a Tegra board: /etc/nv_tegra_release is there)" if f.tegra_release is not None else ""
+        out.append(f"{' and '.join(board_files)} missing{tegra}: the board cannot be identified, so the "
+                   f"generic profile {best.name} is used; pass --profile NAME for the board's build flags")
+    if "/" + MEMINFO in f.missing:
+        out.append(f"/{MEMINFO} missing: total memory taken from the machine running edgerun")
+    if "dotprod" in best.build.cmake_args and f.cpu_features and "asimddp" not in f.cpu_features:
+        out.append(f"profile {best.name} builds llama.cpp with dotprod, but /{CPUINFO} Features lack 'asimddp': "
+                   f"that build would die with SIGILL on this CPU")
+    return out
+
+
+def detect(root: str | os.PathLike | None = None, *, system: str | None = None, machine: str | None = None,
            sysctl: Callable[[str], str | None] | None = None) -> tuple[DeviceProfile, str]:
-    """The profile that fits this device (or the one whose files are faked under `root`), and why."""
+    """The profile that fits this device (or the one whose files are copied under `root`), and why.
+
+    Warnings (a missing identity file, a CPU the profile's build can't run on) are logged and end the reason."""
     facts = gather_facts(root, system=system, machine=machine, sysctl=sysctl)
     ranked = []
     for p in all_profiles():
@@ -154,11 +209,16 @@ def detect(root: str | os.PathLike = "/", *, system: str | None = None, machine:
         reason = f"no board-specific profile matched; generic profile by {'; '.join(why) or 'default'}"
     else:
         reason = "; ".join(why)
+    warnings = _warnings(best, facts)
+    for w in warnings:
+        log.warning("device detection: %s", w)
+    if warnings:
+        reason += "; warning: " + "; warning: ".join(warnings)
     log.info("device profile %s: %s", best.name, reason)
     return best, reason
 
 
-def resolve(spec: str | os.PathLike | None = "auto", root: str | os.PathLike = "/") -> tuple[DeviceProfile, str]:
+def resolve(spec: str | os.PathLike | None = "auto", root: str | os.PathLike | None = None) -> tuple[DeviceProfile, str]:
     """'auto'/None -> detect(); a name or path -> that profile. $EDGERUN_PROFILE overrides 'auto'."""
     if spec is None or str(spec) == "auto":
         forced = os.environ.get("EDGERUN_PROFILE")
