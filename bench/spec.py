@@ -230,7 +230,6 @@ def main() -> None:
         code = [rt.tokenize(p) for p in CODE_PROMPTS]
         prose_text = [rt.tokenizer.apply_chat_template(m) for m in PROSE_MESSAGES]
         prose = [rt.tokenizer.chat_prompt_tokens(m) for m in PROSE_MESSAGES]
-        peer = None
         if "peer" in scen:
             peer_code = peer_runner(tools, resolve_model(TARGET), resolve_model(DRAFT), CODE_PROMPTS, a.tokens,
                                     a.threads)
