@@ -73,9 +73,10 @@ def _planned_type(ckpt: Int4Checkpoint, name: str, exact: bool) -> str:
         grp = ckpt.scheme.group_for(ckpt_module(ckpt, name)) or ckpt.scheme.groups[0]
         K = tensor_shape(ckpt.cfg, name)[1]
         g = K if grp.group_size == -1 else grp.group_size
-        probe = Int4(np.zeros((1, 0), np.uint8), np.zeros((1, 0), np.uint8), np.zeros((1, 0), np.float32), g,
-                     grp.symmetric and ckpt.scheme.version != "gemv_fast",
-                     m=None, g_idx=None if ckpt.blockwise(name) else np.zeros(0))
+        empty = np.zeros((1, 0), np.float32)
+        probe = Int4(empty.astype(np.uint8), empty.astype(np.uint8), empty, g, grp.symmetric,
+                     m=empty if ckpt.scheme.version == "gemv_fast" else None,
+                     g_idx=None if ckpt.blockwise(name) else np.zeros(0))
         return choose_type(probe, exact)
     if name.endswith(".bias") or "norm" in name:
         return "f32"

@@ -6,7 +6,8 @@ Blocks of 32 along K (a group of g = 128 is four blocks sharing one (s, z)):
 - asymmetric -> Q4_1: value q*d + m. Per block, of d = s, m = -z*s (codes q) and the mirrored
   d = -s, m = (15 - z)*s (codes 15 - q), the one whose fp16 m is exact (else the closer one);
   AutoAWQ GEMV_fast's own fp16 offset is stored as it is (its kernel computes q*s + m).
-- `exact` -> Q5_0 for asymmetric tensors: d = s, codes q - z + 16; bit-exact for every z.
+- `exact` -> Q5_0 for asymmetric tensors: d = s, codes q - z + 16; bit-exact for every z
+  (GEMV_fast stays Q4_1, which is already exact for it).
 - A tensor whose groups are not blockwise (GPTQ act-order) or whose group is not a multiple of 32
   -> F16 of its dequantized values (logged with the tensor's name).
 
@@ -53,7 +54,9 @@ def _fp16_exact(a: np.ndarray) -> np.ndarray:
 def choose_type(w: Int4, exact: bool) -> str:
     if not w.blockwise or w.g % QK:
         return "f16"
-    if w.symmetric and w.m is None:
+    if w.m is not None:
+        return "q4_1"             # GEMV_fast: d = s, m = its fp16 offset is exactly what its kernel computes
+    if w.symmetric:
         return "q4_0"
     return "q5_0" if exact else "q4_1"
 
