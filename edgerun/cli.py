@@ -260,6 +260,12 @@ def list_cmd(as_json):
                          "size": path.stat().st_size if cached else None, "cached": cached,
                          "draft": registry.default_draft_for(f"{m.name}@{vname}"), "path": str(path),
                          "description": v.description, "license": m.license, "made_from": m.name})
+    from .convert.cache import list_converted
+    for c in list_converted():                   # INT4 checkpoints converted by --model DIR
+        rows.append({"name": c["name"], "kind": "converted", "arch": c["arch"],
+                     "quant": f"{c['quant'].upper()} (from {c['source_format']})", "size": c["size"], "cached": True,
+                     "draft": None, "path": c["path"], "description": f"converted from {c['source_name']}",
+                     "license": "", "made_from": c["source_name"], "source_sha256": c["source_sha256"]})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

@@ -13,3 +13,14 @@ from .checkpoint import Int4Checkpoint, is_int4_checkpoint
 from .convert import ConvertReport, convert
 
 __all__ = ["ConvertReport", "Int4Checkpoint", "convert", "is_int4_checkpoint"]
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """`edgerun.convert(src, out, ...)` calls convert.convert: the package is the public function too
+    (importing a subpackage binds its name on the parent, so a plain function of that name could not stay)."""
+
+    def __call__(self, *args, **kwargs) -> ConvertReport:
+        return convert(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

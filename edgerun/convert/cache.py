@@ -64,13 +64,15 @@ def converted_model(directory: str | Path, *, exact: bool = False) -> Path:
 
 def list_converted() -> list[dict]:
     """The converted models in the cache: name, path, size, source format and source hash."""
-    from ..formats.gguf import read_edgerun_metadata
+    import gguf
 
     rows = []
     d = converted_dir()
     for p in sorted(d.glob("*.gguf")) if d.is_dir() else ():
-        meta = read_edgerun_metadata(p)
+        r = gguf.GGUFReader(p)
+        meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("edgerun.") or k == "general.architecture"}
         rows.append({"name": p.stem, "path": str(p), "size": p.stat().st_size,
+                     "arch": meta.get("general.architecture", ""),
                      "source_format": meta.get("edgerun.import.source_format", ""),
                      "quant": meta.get("edgerun.quant.format", ""),
                      "source_name": meta.get("edgerun.source.name", ""),
