@@ -286,3 +286,21 @@ def test_imported_onnx_logits_match_the_reference(tmp_path):
         be.close()
     assert _err(got, ref)[0] < 1e-4
     assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_onnx_of_act_order_gptq_is_requantized_and_says_so(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from edgerun.onnx.layout import read_config
+
+    out = tmp_path / "onnx"
+    convert(FIX / "gptq-actorder-llama", out)
+    conv = read_config(out).conversions
+    assert conv["blk.0.attn_q.weight"] == "float->Q4_0->int4 (requantized)"
+
+
+def test_public_api_is_callable(tmp_path):
+    import edgerun
+    import edgerun.convert.cache  # noqa: F401  (importing a submodule keeps edgerun.convert callable)
+
+    rep = edgerun.convert(FIX / "ct-sym-llama", tmp_path / "m.gguf")
+    assert rep.storage == {"q4_0": 7} and (tmp_path / "m.gguf").is_file()
