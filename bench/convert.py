@@ -108,7 +108,9 @@ def main() -> None:
     ap.add_argument("--wiki", required=True)
     ap.add_argument("--windows", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-own", action="store_true", help="skip edgerun's own AWQ files (the slowest part)")
+    ap.add_argument("--own", default="awq:q4_0,awq:q4_1,rtn:q4_0,rtn:q4_1",
+                    help="edgerun's own files to make from the float model and score beside ('' for none; "
+                         "AWQ is the slowest part)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "convert.json"))
     a = ap.parse_args()
@@ -129,14 +131,14 @@ def main() -> None:
     files["imported ONNX (accuracy 4)"] = onnx
     files["AutoAWQ dequantized (F32)"] = dequant_reference(files["imported Q5_0 (--exact)"], work / "awq_dequant.npz",
                                                            work / "autoawq-dequant-f32.gguf")
-    if not a.no_own:
+    own = [tuple(x.split(":")) for x in a.own.split(",") if x]
+    if own:
         ref = bench_awq.float_reference(src, work / "float-f32.gguf")
-        for method in ("awq", "rtn"):
-            for fmt in ("q4_0", "q4_1"):
-                out = work / f"own-{method}-{fmt}.gguf"
-                if not out.exists():
-                    res["convert"][f"edgerun {method} {fmt}"] = bench_awq.quantize(ref, out, method, fmt, "builtin")
-                files[f"edgerun {method.upper()} {fmt.upper()}"] = out
+    for method, fmt in own:
+        out = work / f"own-{method}-{fmt}.gguf"
+        if not out.exists():
+            res["convert"][f"edgerun {method} {fmt}"] = bench_awq.quantize(ref, out, method, fmt, "builtin")
+        files[f"edgerun {method.upper()} {fmt.upper()}"] = out
     texts = bench_awq.eval_texts(a.wiki)
     scores = {k: bench_awq.score_texts(p, texts, a.windows, a.threads) for k, p in files.items()}
     for k, s in scores.items():
@@ -160,7 +162,8 @@ def main() -> None:
                          for t, v in pr.items())
         print(f"{k:32} {res['ppl'][k]['wiki']:9.3f} {res['ppl'][k]['code']:9.3f}   {pair}")
     for k, c in res["convert"].items():
-        print(f"{k:32} wall {c['wall_s']:.1f} s, peak RSS {c['peak_rss_mb']:.0f} MB")
+        if "wall_s" in c:
+            print(f"{k:32} wall {c['wall_s']:.1f} s, peak RSS {c['peak_rss_mb']:.0f} MB")
     for k, v in res["speed"].items():
         print(f"{k:36} {v['tok_s']:.1f} tok/s (median of {len(v['runs'])})")
     print(f"wrote {a.out} at {time.strftime('%Y-%m-%d %H:%M:%S')}")
