@@ -26,6 +26,10 @@ def quantize(*args, **kwargs):
 
 
 def __getattr__(name):
+    if name == "convert":               # the package edgerun.convert is callable: edgerun.convert(src, out, exact=...)
+        import importlib
+
+        return importlib.import_module(".convert", __name__)
     if name in ("Runtime", "Completion"):
         from . import runtime
 
@@ -37,5 +41,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'edgerun' has no attribute {name!r}")
 
 
-__all__ = ["load", "quantize", "Runtime", "Completion", "EdgerunError", "errors",
+__all__ = ["load", "quantize", "convert", "Runtime", "Completion", "EdgerunError", "errors",
            "SamplingArgs", "SpeculativeArgs", "BackendArgs", "QuantArgs"]

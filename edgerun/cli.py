@@ -389,6 +389,12 @@ def list_cmd(as_json):
                          "size": path.stat().st_size if cached else None, "cached": cached,
                          "draft": registry.default_draft_for(f"{m.name}@{vname}"), "path": str(path),
                          "description": v.description, "license": m.license, "made_from": m.name})
+    from .convert.cache import list_converted
+    for c in list_converted():                   # INT4 checkpoints converted by --model DIR
+        rows.append({"name": c["name"], "kind": "converted", "arch": c["arch"],
+                     "quant": f"{c['quant'].upper()} (from {c['source_format']})", "size": c["size"], "cached": True,
+                     "draft": None, "path": c["path"], "description": f"converted from {c['source_name']}",
+                     "license": "", "made_from": c["source_name"], "source_sha256": c["source_sha256"]})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -739,3 +745,37 @@ def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_j
                f"{cfg.weight_bytes / 1e6:.1f} MB of weights per token; "
                + ("all weights converted without loss" if not lossy
                   else f"{len(lossy)} of {len(cfg.conversions)} weight tensors re-quantized"))
+
+
+# ---- INT4 checkpoint import: `edgerun convert` (edgerun/convert/) ---------------------------
+
+@main.command("convert")
+@click.argument("source", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path())
+@click.option("--exact", is_flag=True, help="Store asymmetric weights as Q5_0 (bit-exact for every zero point) "
+              "instead of Q4_1.")
+@click.option("--ctx", "n_ctx", type=click.IntRange(16, None), default=None, help="ONNX output: positions the graph supports.")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="ONNX output: MatMulNBits activation precision (4 = int8, 1 = fp32).")
+@click.option("--force", is_flag=True, help="ONNX output: replace an earlier export at OUT.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def convert_cmd(source, out, exact, n_ctx, accuracy_level, force, as_json):
+    """Import a published INT4 checkpoint SOURCE (AutoAWQ, GPTQ, compressed-tensors) into OUT.
+
+    OUT ending in .gguf is a GGUF for llama.cpp (symmetric weights Q4_0, asymmetric Q4_1 or, with
+    --exact, Q5_0, keeping the checkpoint's codes and scales); any other OUT is an ONNX directory
+    (MatMulNBits with the checkpoint's groups and zero points).
+    """
+    from .convert import convert
+
+    _exit_on_sigterm()
+    rep = convert(source, out, exact=exact, n_ctx=n_ctx, accuracy_level=accuracy_level, force=force)
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=1))
+        return
+    stored = ", ".join(f"{n} {t}" for t, n in sorted(rep.storage.items()))
+    line = f"wrote {rep.out}: {rep.scheme} g{rep.group_size} {rep.zero_point}; {stored}"
+    if rep.kind == "gguf" and rep.n_blocks:
+        line += (f"; {100 * rep.exact_share:.2f}% of {rep.n_blocks} blocks bit-exact, max |dw|/s "
+                 f"{rep.max_rel_err:.4g}")
+    click.echo(line + f"; {rep.seconds:.1f} s, peak RSS {rep.peak_rss_mb:.0f} MB")

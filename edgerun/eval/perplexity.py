@@ -113,14 +113,14 @@ def _log_softmax_at(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int | None = None,
                max_windows: int | None = None, text_name: str = "",
                progress: Callable[[str, int, int], None] | None = None) -> PerplexityResult:
-    """Perplexity of the GGUF at `model` on `text` (see the module docstring for the method)."""
-    from ..backends.llamacpp import LlamaCppBackend
+    """Perplexity of the GGUF (or ONNX directory) at `model` on `text` (see the module docstring for the method)."""
+    from ..backends import open_backend
     from ..config import BackendArgs
 
     if not isinstance(ctx, int) or ctx < 16 or ctx % 2:
         raise InvalidArgument(f"ctx must be an even integer >= 16, got {ctx!r}")
     t0 = time.perf_counter()
-    be = LlamaCppBackend(model, BackendArgs(n_ctx=ctx, n_batch=ctx, n_threads=n_threads, flash_attn=True))
+    be = open_backend(model, BackendArgs(n_ctx=ctx, n_batch=ctx, n_threads=n_threads, flash_attn=True))
     try:
         tok = be.tokenizer
         add_bos = bool(tok.add_bos) and tok.bos_id >= 0

@@ -272,3 +272,17 @@ def hf_name(cfg: ModelConfig, gguf_name: str) -> str:
         return top[gguf_name]
     _, i, suffix, kind = gguf_name.split(".")
     return f"model.layers.{i}.{dict(cfg.spec.block)[suffix]}.{kind}"
+
+
+def tensor_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    """numpy shape of a GGUF-named tensor ([out, in] for matrices, [n] for norms and biases)."""
+    d, hd = cfg.n_embd, cfg.head_dim
+    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
+    if name in ("token_embd.weight", "output.weight"):
+        return (cfg.n_vocab, d)
+    suffix, kind = name.split(".")[2:]
+    if kind == "bias":
+        return ({"attn_q": q, "attn_k": kv, "attn_v": kv}[suffix],)
+    return {"attn_norm": (d,), "ffn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d),
+            "attn_output": (d, q), "ffn_gate": (cfg.n_ff, d), "ffn_up": (cfg.n_ff, d),
+            "ffn_down": (d, cfg.n_ff)}[suffix]

@@ -102,12 +102,13 @@ def _write_json(path: Path, obj: dict) -> None:
 # ---------------------------------------------------------------------------------- entry point
 
 def export_onnx(src: str | Path, out_dir: str | Path, *, n_ctx: int | None = None, accuracy_level: int = 4,
-                force: bool = False, progress: Callable[[str], None] | None = None) -> Path:
+                force: bool = False, progress: Callable[[str], None] | None = None, source: Source | None = None) -> Path:
     """Write the ONNX decoder of GGUF `src` into `out_dir` (created atomically); return out_dir.
 
     n_ctx: positions the graph supports (default: the model's training context, at most 32768).
     accuracy_level: MatMulNBits' activation precision (4 = int8, onnxruntime's fast CPU path;
     1 = fp32, the exact product of the dequantized weights). force: replace an existing export.
+    source: an already opened Source of `src` (edgerun.convert passes its view of an INT4 checkpoint).
     """
     from ..tokenizer import Tokenizer
 
@@ -119,7 +120,7 @@ def export_onnx(src: str | Path, out_dir: str | Path, *, n_ctx: int | None = Non
         if not (force and is_onnx_dir(out)):
             raise InvalidArgument(f"{out} already exists; expected a new or empty directory "
                                   f"(pass force=True / --force to replace an earlier export)")
-    s = Source(src_path)
+    s = source if source is not None else Source(src_path)
     cfg = s.cfg
     if n_ctx is None:
         n_ctx = min(cfg.n_ctx_train or MAX_ROPE_POSITIONS, MAX_ROPE_POSITIONS)

@@ -77,8 +77,9 @@ class _Graph:
 def _matmul(g: _Graph, x: str, w: NBits, name: str, accuracy_level: int, bias: np.ndarray | None = None) -> str:
     b = g.init(f"{name}.qweight", w.packed)
     s = g.init(f"{name}.scales", w.scales)
-    (y,) = g.node("MatMulNBits", [x, b, s], domain="com.microsoft", name=f"{name}/MatMulNBits",
-                  K=w.k, N=w.n, bits=w.bits, block_size=BLOCK, accuracy_level=accuracy_level)
+    ins = [x, b, s] if w.zeros is None else [x, b, s, g.init(f"{name}.zero_points", w.zeros)]
+    (y,) = g.node("MatMulNBits", ins, domain="com.microsoft", name=f"{name}/MatMulNBits",
+                  K=w.k, N=w.n, bits=w.bits, block_size=w.block, accuracy_level=accuracy_level)
     if bias is not None:
         (y,) = g.node("Add", [y, g.init(f"{name}.bias", bias.astype(np.float32))], name=f"{name}/Add")
     return y
@@ -86,10 +87,12 @@ def _matmul(g: _Graph, x: str, w: NBits, name: str, accuracy_level: int, bias: n
 
 def _fuse(ws: list[NBits]) -> NBits | None:
     """Stack the rows of linears that read the same input into one MatMulNBits (same bits and K)."""
-    if len({(w.bits, w.k) for w in ws}) != 1:
+    if len({(w.bits, w.k, w.block, w.zeros is None) for w in ws}) != 1:
         return None
     note = ws[0].note if len({w.note for w in ws}) == 1 else "; ".join(w.note for w in ws)
-    return NBits(ws[0].bits, np.concatenate([w.packed for w in ws]), np.concatenate([w.scales for w in ws]), note)
+    zeros = None if ws[0].zeros is None else np.concatenate([w.zeros for w in ws])
+    return NBits(ws[0].bits, np.concatenate([w.packed for w in ws]), np.concatenate([w.scales for w in ws]), note,
+                 ws[0].block, zeros)
 
 
 def _linears(g: _Graph, x: str, ws: list[NBits], name: str, acc: int, bias: np.ndarray | None) -> str:

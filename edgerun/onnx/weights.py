@@ -23,12 +23,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NBits:
-    """One linear weight in MatMulNBits layout: packed uint8 [N, K/32, 32*bits/8], scales f32 [N, K/32]."""
+    """One linear weight in MatMulNBits layout: packed uint8 [N, K/block, block*bits/8], scales f32 [N, K/block],
+    optional 4-bit zero points uint8 [N, ceil(K/block / 2)] (two per byte, low nibble first; None = implicit 2^(bits-1))."""
 
     bits: int
     packed: np.ndarray
     scales: np.ndarray
     note: str                          # "Q4_0->int4 (lossless)" etc.
+    block: int = BLOCK
+    zeros: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -36,11 +39,11 @@ class NBits:
 
     @property
     def k(self) -> int:
-        return self.packed.shape[1] * BLOCK
+        return self.packed.shape[1] * self.block
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales.nbytes
+        return self.packed.nbytes + self.scales.nbytes + (0 if self.zeros is None else self.zeros.nbytes)
 
 
 def q8_0_to_nbits(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,10 +58,14 @@ def q8_0_to_nbits(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def nbits_dequantize(w: NBits) -> np.ndarray:
     """Float32 [N, K] of a MatMulNBits weight (tests and diagnostics)."""
     if w.bits == 4:
-        q = np.stack([w.packed & 0x0F, w.packed >> 4], axis=-1).reshape(w.n, -1, BLOCK)   # [N, nb, 32]
+        q = np.stack([w.packed & 0x0F, w.packed >> 4], axis=-1).reshape(w.n, -1, w.block)   # [N, nb, block]
     else:
         q = w.packed
-    zero = 1 << (w.bits - 1)
+    nb = q.shape[1]
+    if w.zeros is None:
+        zero = np.float32(1 << (w.bits - 1))
+    else:                                                          # [N, ceil(nb/2)] -> [N, nb, 1]
+        zero = np.stack([w.zeros & 0x0F, w.zeros >> 4], axis=-1).reshape(w.n, -1)[:, :nb, None].astype(np.float32)
     return ((q.astype(np.float32) - zero) * w.scales[..., None]).reshape(w.n, w.k)
 
 

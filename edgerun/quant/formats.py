@@ -296,6 +296,43 @@ def search_params(fmt: str, w: np.ndarray, weight: np.ndarray | None = None,
     return best
 
 
+# ----------------------------------------------------------------------------- blocks from given codes
+
+CODE_FORMATS = {"q4_0": 15, "q4_1": 15, "q5_0": 31}     # format -> largest code
+CODE_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22}
+
+
+def encode_codes(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """Store given codes and block parameters as GGUF blocks (no rounding of the codes: they are kept).
+
+    q [rows, K] uint8 codes (0..15; q5_0: 0..31), d [rows, K/32] fp16, m [rows, K/32] fp16 (q4_1 only).
+    Decoded as llama.cpp does: q4_0 (q - 8) * d, q4_1 q * d + m, q5_0 (q - 16) * d (Q5_0 block: fp16 d,
+    uint32 qh with bit j the high bit of element j, 16 bytes of low nibbles paired j | j+16).
+    Returns uint8 [rows, K/32 * bytes per block].
+    """
+    if fmt not in CODE_FORMATS:
+        raise QuantizationError(f"unsupported format {fmt!r} for stored codes; expected one of {sorted(CODE_FORMATS)}")
+    rows, K = q.shape
+    if K % QK:
+        raise QuantizationError(f"{fmt} needs rows a multiple of {QK} long, got {K}")
+    nb = K // QK
+    if q.max(initial=0) > CODE_FORMATS[fmt]:
+        raise QuantizationError(f"code {int(q.max())} does not fit {fmt} (0..{CODE_FORMATS[fmt]})")
+    qb = np.asarray(q, dtype=np.uint8).reshape(rows, nb, QK)                 # [rows, nb, 32]
+    parts = [np.asarray(d, dtype=np.float16).reshape(rows, nb).view(np.uint8).reshape(rows, nb, 2)]
+    if fmt == "q4_1":
+        if m is None:
+            raise QuantizationError("q4_1 blocks need m")
+        parts.append(np.asarray(m, dtype=np.float16).reshape(rows, nb).view(np.uint8).reshape(rows, nb, 2))
+    if fmt == "q5_0":
+        hi = (qb >> np.uint8(4)).astype(np.uint32)                            # [rows, nb, 32] 0/1
+        qh = (hi << np.arange(QK, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)   # [rows, nb]
+        parts.append(qh.astype("<u4").view(np.uint8).reshape(rows, nb, 4))
+        qb = qb & np.uint8(15)
+    parts.append(_pack_nibbles(qb))
+    return np.concatenate(parts, axis=-1).reshape(rows, nb * CODE_BLOCK_BYTES[fmt])
+
+
 # ----------------------------------------------------------------------------- ONNX MatMulNBits
 
 def q4_0_to_matmulnbits(raw_blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from .. import __version__
-from ..formats.arch import ModelConfig
+from ..formats.arch import ModelConfig, tensor_shape
 from ..eval.texts import load_text, token_sequences, tokens_sha256
 from ..config import QuantArgs
 from ..errors import InvalidArgument, QuantizationError
@@ -299,22 +299,9 @@ def tensor_plan(src, args: QuantArgs, qtype: Callable[[str], str] | None = None)
     plan = []
     for n in src.tensor_names():
         shape = tuple(int(v) for v in src.tensor(n).shape) if n.startswith(("rope", "output_norm")) \
-            else _shape(cfg, n)
+            else tensor_shape(cfg, n)
         plan.append(TensorPlan(n, shape, _ggml(qtype(n))))
     return plan
-
-
-def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    d, hd = cfg.n_embd, cfg.head_dim
-    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
-    if name in ("token_embd.weight", "output.weight"):
-        return (cfg.n_vocab, d)
-    suffix, kind = name.split(".")[2:]
-    if kind == "bias":
-        return ({"attn_q": q, "attn_k": kv, "attn_v": kv}[suffix],)
-    return {"attn_norm": (d,), "ffn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d),
-            "attn_output": (d, q), "ffn_gate": (cfg.n_ff, d), "ffn_up": (cfg.n_ff, d),
-            "ffn_down": (d, cfg.n_ff)}[suffix]
 
 
 def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, seed: int,

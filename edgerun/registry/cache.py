@@ -58,8 +58,13 @@ def _local_model(spec: str) -> Path:
     if path.is_dir():
         if (path / "model.onnx").is_file():
             return path
-        raise ModelFormatError(f"{path} is a directory without model.onnx; expected a .gguf file or an "
-                               "ONNX export directory holding model.onnx")
+        from ..convert import is_int4_checkpoint
+        if is_int4_checkpoint(path):                 # a published INT4 checkpoint: converted once into the cache
+            from ..convert.cache import converted_model
+            return converted_model(path)
+        raise ModelFormatError(f"{path} is a directory without model.onnx or a quantized config.json; expected a "
+                               ".gguf file, an ONNX export directory holding model.onnx, or an INT4 checkpoint "
+                               "directory (AutoAWQ, GPTQ, compressed-tensors)")
     raise ModelNotFound(f"no such file or directory: {path}; expected a path to a .gguf file or an ONNX "
                         "export directory, or a registry model name (see `edgerun list`)")
 
@@ -68,7 +73,8 @@ def resolve_model(spec: str | os.PathLike, *, pull: bool = True, progress: Progr
     """Turn what a user wrote into a model path.
 
     A registry name gives its cached file, pulled first if missing (or ModelNotFound when
-    ``pull=False``); a path to a local .gguf file or an ONNX export directory gives that path.
+    ``pull=False``); a path to a local .gguf file or an ONNX export directory gives that path; an INT4
+    checkpoint directory gives its GGUF in the cache, converted on first use (edgerun.convert.cache).
     """
     spec = os.fspath(spec)
     if _looks_like_path(spec):
