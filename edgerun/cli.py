@@ -21,7 +21,7 @@ from .serve import settings as serve_settings
 
 
 def _exit_on_sigterm() -> None:
-    """SIGTERM ends a long write (quantize, export) through SystemExit, so its `finally` blocks remove the
+    """SIGTERM ends a long write (quantize, export, convert, pull) through SystemExit, so its `finally` blocks remove the
     temporary file (the default action kills the process with the file left behind)."""
     def handler(signum, frame):
         raise SystemExit(128 + signum)
@@ -423,6 +423,8 @@ def pull(names, pull_all, verify, force, variant):
     `edgerun quantize` recipe. Prints each model's path on stdout.
     """
     from . import registry
+
+    _exit_on_sigterm()            # a stopped pull removes its temporaries (downloads, the partial file)
     from .errors import InvalidArgument, ModelNotFound
 
     if pull_all:

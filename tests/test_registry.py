@@ -447,3 +447,31 @@ def test_pull_into_a_cache_path_that_is_a_directory_says_so(env, split_model):
     with pytest.raises(EdgerunError, match="is a directory"):
         registry.pull("tiny-split", find_links=[wheels])
     assert (d / "keep").read_text() == "x"
+
+
+def test_a_stopped_pull_leaves_no_temporaries(tmp_path):
+    """Issue 20: SIGTERM during `edgerun pull` (systemctl stop, Ctrl-C in a wrapper) used to leave the
+    downloaded pieces and the partial file behind until the next pull of that model."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGERUN_")}
+    env["EDGERUN_HOME"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "edgerun", "pull", "smollm2-135m-instruct"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    models = tmp_path / "models"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if models.is_dir() and any(".tmp-" in p.name or ".dl-" in p.name for p in models.iterdir()):
+            break
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        pytest.skip("the pull finished before it could be stopped")
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    left = [p.name for p in models.iterdir() if not p.name.endswith(".lock")]
+    assert left == [], left
