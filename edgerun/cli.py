@@ -356,11 +356,15 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
                         fn = call["function"]
                         click.echo(f"[tool call] {fn['name']}({fn['arguments']})")
                         result = input(f"result of {fn['name']}> ")
+                        if result.strip() in ("/exit", "/quit", "/bye"):
+                            raise EOFError                  # leave the tool round (and the chat) as asked
                         messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
                     choice = "auto"
-                except (EOFError, KeyboardInterrupt):
+                except (EOFError, KeyboardInterrupt) as e:
                     del messages[n_before:]
                     click.echo("\n(tool call abandoned)", err=True)
+                    if isinstance(e, EOFError):
+                        return
                     break
 
 
