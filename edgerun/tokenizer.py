@@ -30,6 +30,7 @@ _PLAIN_TEMPLATE = (
 )
 
 
+_SPLIT_ABOVE_BYTES = 4096       # texts longer than this are split at special tokens by edgerun (see tokenize)
 # llama_token_attr bits (llama.h)
 _ATTR_UNKNOWN, _ATTR_UNUSED, _ATTR_CONTROL, _ATTR_USER_DEFINED = 1 << 0, 1 << 1, 1 << 3, 1 << 4
 _ATTR_LSTRIP, _ATTR_RSTRIP = 1 << 7, 1 << 8
@@ -129,7 +130,8 @@ class Tokenizer:
         if limit is not None:
             self.check_fits(len(data), limit)
         add = self.add_bos if add_bos is None else add_bos
-        if special and self._special_re() is not None:
+        # long texts: split at special tokens here (linear); short ones cost llama.cpp's pass nothing
+        if special and len(data) > _SPLIT_ABOVE_BYTES and self._special_re() is not None:
             return self._tokenize_specials(text, add)
         return self._llama_tokenize(data, special, add)
 

@@ -135,8 +135,9 @@ def test_special_tokens_are_split_in_linear_time_with_llama_cpps_result(backend,
                   for _ in range(25)]
         for text in texts:
             for add in (True, False):
-                assert tk.tokenize(text, special=True, add_bos=add) == tk._llama_tokenize(text.encode(), True, add), \
-                    (tk.source, text)
+                assert tk._tokenize_specials(text, add) == tk._llama_tokenize(text.encode(), True, add), (tk.source, text)
+        long = "".join(rng.choice(specials + ["abc ", "\n", "héllo"]) for _ in range(3000))     # > 4 KiB: split here
+        assert tk.tokenize(long, special=True, add_bos=True) == tk._llama_tokenize(long.encode(), True, True)
         calls = []
         real = llama_cpp.llama_tokenize
         monkeypatch.setattr(llama_cpp, "llama_tokenize", lambda *a: calls.append(a[-1]) or real(*a))
