@@ -109,8 +109,8 @@ class _Truncating:
         self.name, self.vocab_fingerprint, self.weight_bytes, self.n_classes = inner.name + "+cut", None, 0, \
             inner.n_classes
 
-    def hint(self, context):
-        return self.inner.hint(context)
+    def hint(self, context, logits=None):
+        return self.inner.hint(context, logits)
 
     def propose(self, context, gamma, sampling, rng, constraint=None):
         toks, q = self.inner.propose(context, gamma, sampling, rng)

@@ -26,7 +26,7 @@ from .config import SamplingArgs
 from .constrain.base import Constraint, apply_mask
 from .errors import BackendError, ContextOverflow, InvalidArgument
 from .spec.gamma import FixedGamma, GammaPolicy
-from .spec.sampling import greedy_token, penalised, probs
+from .spec.sampling import dist, greedy_token, penalised
 from .spec.verify import verify, verify_greedy
 
 if TYPE_CHECKING:
@@ -239,6 +239,7 @@ def generate(
             return
 
         finish = None
+        last = None                                    # the target's logits at the last verified position
         while finish is None:
             room = target.n_ctx - len(committed)       # cache slots left for drafts once pending goes in
             if room < 0:
@@ -246,7 +247,7 @@ def generate(
                 break
             gamma = 0
             if drafter is not None:
-                gamma = min(policy.choose(drafter.hint(committed)), limit - len(committed) - 1, room)
+                gamma = min(policy.choose(drafter.hint(committed, last)), limit - len(committed) - 1, room)
             t0 = time.perf_counter()
             base = len(committed) - stats.n_prompt_tokens      # generated tokens: what the constraint holds
             draft, q = drafter.propose(committed, gamma, sampling, rng, constraint) if gamma > 0 else ([], None)
@@ -267,11 +268,11 @@ def generate(
                 n_acc, nxt = verify_greedy([greedy_token(logits[i], sampling, context_at(i))
                                             for i in range(gamma + 1)], draft)
             else:
-                # p [gamma + 1, V]: target distribution at each verified position, same transforms as q
-                p = (probs(logits[0], sampling, committed)[None] if gamma == 0          # [1, V], no copy
-                     else np.stack([probs(logits[i], sampling, context_at(i)) for i in range(gamma + 1)]))
-                n_acc, nxt = verify(p, q, draft, rng)
+                # p: the target's distribution at each verified position (gamma + 1 Dists), same transforms as q
+                n_acc, nxt = verify([dist(logits[i], sampling, context_at(i)) for i in range(gamma + 1)],
+                                    q, draft, rng)
             t2 = time.perf_counter()
+            last = logits[n_acc]
             # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts
             target.truncate(len(committed) + n_acc)
             if constraint is not None:

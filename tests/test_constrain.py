@@ -228,8 +228,8 @@ class _Checking:
         self.name, self.vocab_fingerprint, self.weight_bytes, self.n_classes = inner.name, None, 0, 1
         self.checked = 0
 
-    def hint(self, context):
-        return self.inner.hint(context)
+    def hint(self, context, logits=None):
+        return self.inner.hint(context, logits)
 
     def propose(self, context, gamma, sampling, rng, constraint=None):
         assert self.c.tokens == list(context[self.prompt_len:])
@@ -342,7 +342,7 @@ class _Truncating:
         self.inner = inner
         self.name, self.vocab_fingerprint, self.weight_bytes, self.n_classes = "truncating", None, 0, 1
 
-    def hint(self, context):
+    def hint(self, context, logits=None):
         return 0
 
     def propose(self, context, gamma, sampling, rng, constraint=None):

@@ -10,7 +10,8 @@ import pytest
 
 from edgerun.config import SamplingArgs, SpeculativeArgs
 from edgerun.errors import InvalidArgument, VocabMismatch
-from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter, make_drafter
+from edgerun.spec.drafters import MARGINS, ModelDrafter, PromptLookupDrafter, make_drafter, margin_class
+from edgerun.spec.sampling import dense_rows
 from tinymodel import tiny_vocab
 
 GREEDY = SamplingArgs(temperature=0.0)
@@ -109,8 +110,19 @@ def test_lookup_incremental_index_equals_a_full_scan():
         assert d.propose(ctx, 3, GREEDY, RNG)[0] == _lookup_brute(ctx, 3)
 
 
-def test_model_drafter_has_one_hint_class():
-    assert ModelDrafter.n_classes == 1
+def test_model_drafter_hint_is_the_targets_margin():
+    """The class of a model drafter's cycle: how far the target's last top logit stood above the next one."""
+    assert ModelDrafter.n_classes == len(MARGINS) + 1
+    row = np.zeros(1000, dtype=np.float32)
+    assert margin_class(None) == 1                                  # before the first cycle
+    for gap, want in ((0.0, 0), (0.5, 0), (1.5, 1), (4.0, 2), (7.0, 3), (50.0, 3)):
+        r = row.copy()
+        r[17] = gap
+        assert margin_class(r) == want, gap
+    r = row.copy()
+    r[:2] = -np.inf
+    r[5] = 2.0
+    assert margin_class(r) == 1                                     # masked entries (a grammar) are ignored
 
 
 def test_lookup_bad_arguments():
@@ -140,9 +152,8 @@ def test_model_drafter_keeps_its_cache_in_step(tiny_model_factory):
     drafter = ModelDrafter(_ref(tiny_model_factory(arch="llama", wtype="f32", seed=1)), target)
     ctx = target.tokenizer.tokenize("the cat is in the net")
     toks, q = drafter.propose(ctx, 4, GREEDY, RNG)
-    assert len(toks) == 4 and q.shape == (4, target.n_vocab)
+    assert len(toks) == 4 and q is None                        # greedy: a point mass, no distributions
     assert drafter.backend.tokens == ctx + toks[:-1]          # the last draft is never evaluated
-    np.testing.assert_array_equal(q.argmax(axis=1), toks)      # greedy: one-hot rows at the drafts
     # a context that diverges from what the drafter cached: it rolls back to the common prefix
     other = ctx[:3] + [ctx[5], 7, 9]
     fresh = ModelDrafter(_ref(tiny_model_factory(arch="llama", wtype="f32", seed=1)), target)
@@ -150,8 +161,9 @@ def test_model_drafter_keeps_its_cache_in_step(tiny_model_factory):
     a = drafter.propose(other, 3, sampling, np.random.default_rng(4))
     b = fresh.propose(other, 3, sampling, np.random.default_rng(4))
     assert a[0] == b[0]
-    np.testing.assert_allclose(a[1], b[1])
-    assert np.allclose(a[1].sum(axis=1), 1.0) and all(a[1][i, t] > 0 for i, t in enumerate(a[0]))
+    qa = dense_rows(a[1])
+    np.testing.assert_allclose(qa, dense_rows(b[1]))
+    assert np.allclose(qa.sum(axis=1), 1.0) and all(qa[i, t] > 0 for i, t in enumerate(a[0]))
     # the same context again (all of it cached): the last token is re-evaluated for its logits
     assert drafter.propose(other, 3, sampling, np.random.default_rng(4))[0] == a[0]
 
@@ -254,6 +266,7 @@ def test_padding_entries_are_accepted_and_masked(tiny_model_factory, tmp_path, m
         prompt = target.tokenizer.tokenize("the cat is in the")
         toks, q = d.propose(prompt, 3, SamplingArgs(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
                             np.random.default_rng(0))
+        q = dense_rows(q)
         assert q.shape == (3, target.n_vocab)                 # q speaks the target's ids
         assert not q[:, d.n_shared:].any()                    # padding is never drafted
         np.testing.assert_allclose(q.sum(axis=1), 1.0)

@@ -5,7 +5,7 @@ import pytest
 
 from edgerun.config import SamplingArgs
 from edgerun.errors import InvalidArgument
-from edgerun.spec.sampling import apply_repeat_penalty, probs, sample
+from edgerun.spec.sampling import Dist, apply_repeat_penalty, dist, probs, sample
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))  # softmax at T=1 gives these probabilities
 
@@ -127,3 +127,41 @@ def test_cli_refuses_them_with_one_line(tiny_llama, argv, needle):
     r = CliRunner().invoke(main, ["generate", "hello", "--model", str(tiny_llama), "-n", "2", *argv])
     assert r.exit_code == 2 and r.output.startswith("error: ") and needle in r.output, r.output
     assert "Traceback" not in r.output
+
+
+# --- the sparse distribution (issue 21: no vocabulary-sized arrays per position) ---------------------
+
+def _dense_reference(x, s):
+    """The transforms written densely: sort the whole vocabulary, keep the top k, temperature, top-p, min-p."""
+    order = np.argsort(-x, kind="stable")[: s.top_k or len(x)]
+    z = x[order] / s.temperature
+    w = np.exp(z - z.max())
+    w /= w.sum()
+    n_keep = int(np.searchsorted(np.cumsum(w), s.top_p, side="left")) + 1 if s.top_p < 1 else len(w)
+    keep = np.arange(len(w)) < n_keep
+    keep &= w >= s.min_p * w.max()
+    out = np.zeros(len(x))
+    out[order[keep]] = w[keep] / w[keep].sum()
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])     # 0.05: a flat row (the whole vocabulary is in the window)
+def test_sparse_dist_equals_the_dense_transforms(scale):
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        V = int(rng.integers(50, 20000))
+        x = (rng.standard_normal(V) * scale * (1 + 30 * (trial % 3 == 0))).astype(np.float32)
+        s = SamplingArgs(temperature=float(rng.uniform(0.3, 1.5)), top_k=int(rng.choice([0, 1, 5, 40, 300])),
+                         top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])))
+        d = dist(x, s)
+        assert np.all(np.diff(d.idx) > 0) and d.V == V and np.isclose(d.w.sum(), 1.0)
+        np.testing.assert_allclose(d.dense(), _dense_reference(x.astype(np.float64), s), rtol=1e-9, atol=1e-15)
+        # the same uniform draws the same token from the sparse and the dense form
+        assert [d.sample(np.random.default_rng(i)) for i in range(30)] == \
+            [sample(d.dense(), np.random.default_rng(i)) for i in range(30)]
+
+
+def test_dist_lookups():
+    d = Dist(np.array([2, 5, 9]), np.array([0.2, 0.3, 0.5]), 12)
+    assert d.at(5) == 0.3 and d.at(4) == 0.0 and d.at(11) == 0.0
+    np.testing.assert_array_equal(d.at_many(np.array([0, 2, 9, 10])), [0.0, 0.2, 0.5, 0.0])

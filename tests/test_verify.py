@@ -14,7 +14,7 @@ from scipy import stats
 
 from edgerun.config import SamplingArgs
 from edgerun.errors import InvalidArgument
-from edgerun.spec.sampling import greedy_token, probs, sample
+from edgerun.spec.sampling import Dist, greedy_token, probs, sample
 from edgerun.spec.verify import residual, verify, verify_greedy
 
 P_PASS = 1e-3    # a correct sampler must not be rejected at this level (fixed seeds: deterministic)
@@ -37,7 +37,7 @@ def chisquare_pooled(counts: np.ndarray, expected_p: np.ndarray, min_expected: f
 
 def wrong_residual(p_i, q_i, x):
     """The classic bug: resample from the target instead of norm(max(0, p - q))."""
-    return p_i / p_i.sum()
+    return Dist(p_i.idx, p_i.w / p_i.w.sum(), p_i.V)
 
 
 def one_hot(i: int, V: int) -> np.ndarray:
@@ -117,10 +117,10 @@ def test_zero_target_probability_is_never_accepted():
 def test_residual_without_mass_falls_back_to_p():
     p = np.array([0.25, 0.25, 0.5])
     r = residual(p, p * (1 + 1e-15), 2)
-    np.testing.assert_allclose(r, p)
+    np.testing.assert_allclose(r.dense(), p)
     r = residual(np.array([0.0, 0.0, 1.0]), None, 2)      # point mass on the only token p allows
-    np.testing.assert_allclose(r, [0.0, 0.0, 1.0])
-    np.testing.assert_allclose(residual(np.array([0.5, 0.5, 0.0]), np.array([0.9, 0.1, 0.0]), 0), [0, 1, 0])
+    np.testing.assert_allclose(r.dense(), [0.0, 0.0, 1.0])
+    np.testing.assert_allclose(residual(np.array([0.5, 0.5, 0.0]), np.array([0.9, 0.1, 0.0]), 0).dense(), [0, 1, 0])
 
 
 @pytest.mark.parametrize("p_shape,q_shape,draft", [

@@ -1,19 +1,23 @@
 """Drafters: what proposes the tokens the target verifies. A model on its own backend, or prompt lookup.
 
 A drafter's `propose(context, gamma, sampling, rng, constraint)` returns (tokens, q): up to gamma
-drafted tokens and q [len(tokens), V_target], the probabilities each token was drawn from (after the
-same sampling transforms the target gets), or q None when the drafter is a deterministic function of
-the context (verify then treats it as a point mass). With a constraint (a grammar), a model drafter
+drafted tokens and q, one `Dist` over the target's ids per token (spec/sampling.py: the distribution
+it was drawn from, after the same sampling transforms the target gets; with top-k a few dozen
+entries, not a vocabulary-sized row), or q None when the draft is a deterministic function of the
+context (prompt lookup; any drafter under greedy decoding): verify then treats it as a point mass. With a constraint (a grammar), a model drafter
 masks each position's logits with the grammar state after the drafts before it and consumes each
 drafted token into the constraint; a point-mass drafter cuts its draft at the first token the
 grammar forbids (cutting a deterministic draft changes nothing; cutting a sampled one would bias the
 output). Drafts never hold an end-of-generation token under a constraint. A drafter keeps its own state in step lazily: every call
 receives the whole committed context and first rolls back to the common prefix.
 
-Before each cycle the loop asks `hint(context)`: None when the drafter has nothing to offer for this
+Before each cycle the loop asks `hint(context, logits)` (logits: the target's row [V] at the last
+verified position, None before the first cycle): None when the drafter has nothing to offer for this
 context (no cycle is spent asking), else a class in 0..n_classes-1 that predicts how well its draft
-will be accepted (prompt lookup: the length of the verbatim match; a model: always 0). The gamma
-tuner keeps one acceptance model per class.
+will be accepted (prompt lookup: the length of the verbatim match; a model: how clearly the target's
+last choice stood out, `margin_class`). The gamma tuner keeps one acceptance model per class, so what
+it learned on one text (a code file: confident positions, drafts accepted) carries over to another
+(prose: few confident positions) instead of being averaged into one rate.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ..config import BackendArgs, SamplingArgs, SpeculativeArgs
 from ..constrain.base import Constraint, apply_mask
 from ..errors import InvalidArgument, VocabMismatch
 from ..tokenizer import is_padding
-from .sampling import probs, sample
+from .sampling import Dist, dist, greedy_token
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class Drafter(Protocol):
     weight_bytes: int                 # bytes read per drafted token (0 for model-free)
     n_classes: int                    # hint classes (1: the drafter gives no hint)
 
-    def hint(self, context: Sequence[int]) -> int | None: ...
+    def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None: ...
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
                 rng: np.random.Generator, constraint: Constraint | None = None
@@ -95,10 +99,28 @@ def shared_vocab(target: Backend, drafter: Backend) -> int:
 
 # ---------------------------------------------------------------------------------- drafters
 
+# margin_class: a target logit row's classes by how far its top logit stands above the rest
+MARGINS = (1.0, 3.0, 6.0)
+
+
+def margin_class(logits: np.ndarray | None) -> int:
+    """0: another token within MARGINS[0] logits of the top one; 1, 2: none within MARGINS[0], MARGINS[1]
+    ...; len(MARGINS): the top logit alone within MARGINS[-1]. None (no row yet) -> 1. One comparison
+    pass over the row (the decode loop calls it once per cycle)."""
+    if logits is None:
+        return 1
+    m = logits.max()
+    near = logits[logits >= m - MARGINS[-1]]          # [k]: usually a handful
+    if not np.isfinite(m) or len(near) <= 1:
+        return len(MARGINS)
+    second = np.partition(near, len(near) - 2)[len(near) - 2]
+    return int(np.searchsorted(MARGINS, m - second, side="right"))
+
+
 class ModelDrafter:
     """A smaller model of the same vocabulary on its own backend (and KV cache)."""
 
-    n_classes = 1
+    n_classes = len(MARGINS) + 1
 
     def __init__(self, backend: Backend, target: Backend | None = None, *, p_min: float = 0.0,
                  name: str | None = None) -> None:
@@ -119,22 +141,18 @@ class ModelDrafter:
                             "speculation will be slower than plain decoding",
                             self.name, backend.weight_bytes / 1e6, target.name, target.weight_bytes / 1e6)
 
-    def _q(self, logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int]) -> np.ndarray:
-        """Drafter logits [V_d] -> probabilities over the target's ids [V_target], padding masked."""
-        V_d = logits.shape[-1]
-        if self.n_shared < V_d:
+    def _q(self, logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int]) -> Dist:
+        """Drafter logits [V_d] -> its distribution over the target's ids, padding masked."""
+        if self.n_shared < logits.shape[-1]:
             logits = logits.astype(np.float32, copy=True)
             logits[self.n_shared:] = -np.inf
-        q = probs(logits, sampling, context)
-        if V_d == self.n_out:
-            return q
-        out = np.zeros(self.n_out, dtype=np.float64)
-        out[: self.n_shared] = q[: self.n_shared]
-        return out
+        q = dist(logits, sampling, context)
+        return Dist(q.idx, q.w, self.n_out)        # ids < n_shared: the same ids in the target
 
-    def hint(self, context: Sequence[int]) -> int | None:
-        """One class: a model always has a draft to offer (its confidence cut-off acts while drafting)."""
-        return 0
+    def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None:
+        """A model always has a draft to offer; its class is the target's margin at the last position
+        (margin_class): drafts after a clear choice are accepted far more often."""
+        return margin_class(logits)
 
     def _top_prob(self, logits: np.ndarray) -> float:
         """Largest softmax probability of the raw logits (temperature 1): the drafter's confidence."""
@@ -155,7 +173,7 @@ class ModelDrafter:
         be.truncate(keep)
         logits = be.eval(ctx[keep:], n_logits=1)[-1]        # [V_d]
         tokens: list[int] = []
-        rows: list[np.ndarray] = []
+        rows: list[Dist] = []
         for i in range(gamma):
             if constraint is not None:
                 allowed = constraint.continuing_mask()          # the grammar after context + tokens
@@ -164,15 +182,18 @@ class ModelDrafter:
                 logits = apply_mask(logits, allowed)
             if self.p_min > 0.0 and self._top_prob(logits) < self.p_min:
                 break
-            q = self._q(logits, sampling, ctx + tokens)
-            x = sample(q, rng)
+            if sampling.greedy:                 # deterministic: a point mass, no distribution to build
+                x = greedy_token(logits[: self.n_shared], sampling, ctx + tokens)
+            else:
+                q = self._q(logits, sampling, ctx + tokens)
+                x = q.sample(rng)
+                rows.append(q)
             if constraint is not None:
                 constraint.consume(x)
             tokens.append(x)
-            rows.append(q)
             if i + 1 < gamma:
                 logits = be.eval([x])[-1]
-        return tokens, (np.stack(rows) if rows else None)     # q [len(tokens), V_target]
+        return tokens, (rows if rows else None)     # q: one Dist per drafted token, None for a point mass
 
     def reset(self) -> None:
         """Forget the cached context (the next proposal re-evaluates it from the start)."""
@@ -244,7 +265,7 @@ class PromptLookupDrafter:
                 return h + n, k
         return None
 
-    def hint(self, context: Sequence[int]) -> int | None:
+    def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None:
         m = self._match(context)
         if m is None:
             return None
