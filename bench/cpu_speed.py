@@ -10,6 +10,8 @@ sampled prose) and every round, each system decodes the same prompt in turn:
   edgerun plain                      gamma 0 on the speculation-ready target
   edgerun gamma=k                    fixed gamma on the speculation-ready pair (or lookup)
   edgerun plain, fresh               gamma 0 (--draft none) in a fresh Runtime per run, as a new CLI process
+  llama.cpp / edgerun plain, drafter plain decoding of the speculation-ready drafter alone (greedy code
+                                     workloads): the loop's draft step against llama.cpp's own
   edgerun auto                       the gamma tuner, a fresh Runtime per run (as a new CLI process starts:
                                      what earlier runs learned comes from the tuner's store on disk; the
                                      store of the pair is emptied when the bench starts); auto/plain is
@@ -162,6 +164,7 @@ def main() -> None:
     rt_reg = edgerun.load(str(reg_t), draft="none", **load)
     rt_plain = edgerun.load(str(spec_t), draft=str(spec_d), gamma=0, **load)     # gamma per call
     rt_look = edgerun.load(str(spec_t), draft="lookup", gamma=0, **load)
+    rt_draft = edgerun.load(str(spec_d), draft="none", **load)
     # the tuner starts from nothing learned, then carries what it learns from run to run (as CLI calls do)
     for rt in (edgerun.load(str(spec_t), draft=str(spec_d), **load), edgerun.load(str(spec_t), draft="lookup", **load)):
         for r in ("greedy", "sampled"):
@@ -190,6 +193,9 @@ def main() -> None:
             systems += [("edgerun plain, registry", lambda: edgerun_run(rt_reg, p, n, temp, 0)),
                         ("edgerun plain", lambda: edgerun_run(rt, p, n, temp, 0))]
             systems += [(f"edgerun gamma={g}", (lambda g=g: edgerun_run(rt, p, n, temp, g))) for g in gammas]
+            if kind == "code" and temp == 0.0:
+                systems += [("llama.cpp plain, drafter", lambda: llama_completion(args.tools, spec_d, f, n, temp, th)),
+                            ("edgerun plain, drafter", lambda: edgerun_run(rt_draft, p, n, temp, 0))]
 
             def fresh(draft):       # a new Runtime, as a new CLI process has (cold context, tuner from disk)
                 rt_new = edgerun.load(str(spec_t), draft=draft, **load)
@@ -258,8 +264,13 @@ def summarise(runs: list[dict], names: list[str]) -> dict:
             out[w]["auto/plain"] = med["edgerun auto"] / med["edgerun plain, fresh"]   # both a fresh Runtime
         if "edgerun auto" in med and "llama.cpp speculative" in med:
             out[w]["auto/llama.cpp speculative"] = med["edgerun auto"] / med["llama.cpp speculative"]
-        if "edgerun plain" in med and "llama.cpp plain, spec" in med:
-            out[w]["edgerun plain/llama.cpp plain"] = med["edgerun plain"] / med["llama.cpp plain, spec"]
+        for ours, theirs, key in (("edgerun plain", "llama.cpp plain, spec", "edgerun plain/llama.cpp plain"),
+                                  ("edgerun plain, registry", "llama.cpp plain, registry",
+                                   "edgerun/llama.cpp plain, registry"),
+                                  ("edgerun plain, drafter", "llama.cpp plain, drafter",
+                                   "edgerun/llama.cpp plain, drafter")):
+            if ours in med and theirs in med:
+                out[w][key] = med[ours] / med[theirs]
     return out
 
 
@@ -268,12 +279,13 @@ def print_table(result: dict) -> None:
     systems = []
     for w in s.values():
         systems += [k for k, v in w.items() if isinstance(v, dict) and k not in systems]
-    print("\n| workload | " + " | ".join(systems) + " | auto/plain | auto/llama.cpp spec | edgerun/llama.cpp plain |")
-    print("|---" * (len(systems) + 4) + "|")
+    ratios = ("auto/plain", "auto/llama.cpp speculative", "edgerun plain/llama.cpp plain",
+              "edgerun/llama.cpp plain, registry", "edgerun/llama.cpp plain, drafter")
+    print("\n| workload | " + " | ".join(systems) + " | " + " | ".join(ratios) + " |")
+    print("|---" * (len(systems) + len(ratios) + 1) + "|")
     for w, row in s.items():
         cells = [f"{row[k]['tok_s']:.1f} ({row[k]['x_registry_llamacpp']:.2f}x)" if k in row else "-" for k in systems]
-        extra = [f"{row[k]:.3f}" if k in row else "-" for k in ("auto/plain", "auto/llama.cpp speculative",
-                                                                  "edgerun plain/llama.cpp plain")]
+        extra = [f"{row[k]:.3f}" if k in row else "-" for k in ratios]
         print(f"| {w} | " + " | ".join(cells) + " | " + " | ".join(extra) + " |")
     if "perplexity" in result:
         print("\n| text | registry PPL | spec PPL | ratio [95% CI] | windows |\n|---|---|---|---|---|")

@@ -21,10 +21,11 @@ from ..config import SamplingArgs
 
 log = logging.getLogger(__name__)
 
-# top-k looks for its k largest logits among those within this many logits of the maximum first (one
-# comparison pass over the vocabulary instead of a partition of all of it); when fewer than k lie
-# there, the whole vocabulary is partitioned. Either way the kept set is exactly the k largest.
-_TOPK_WINDOW = 12.0
+# top-k looks for its k largest logits among those within a few logits of the maximum first (a
+# comparison pass over the vocabulary or two instead of a partition of all of it); when fewer than k
+# lie within the widest window, or a window holds much of the vocabulary, the whole row is
+# partitioned. Either way the kept set is exactly the k largest.
+_TOPK_WINDOWS = (3.0, 6.0, 12.0)
 
 
 class Dist:
@@ -104,9 +105,14 @@ def _top_k(x: np.ndarray, k: int) -> np.ndarray:
     V = x.shape[-1]
     m = x.max()
     if np.isfinite(m):
-        cand = np.flatnonzero(x >= m - _TOPK_WINDOW)      # holds the k largest when it has >= k entries
-        if len(cand) >= k:
-            return cand if len(cand) == k else cand[np.argpartition(x[cand], len(cand) - k)[len(cand) - k:]]
+        for window in _TOPK_WINDOWS:
+            above = x >= m - window              # holds the k largest once it has >= k entries
+            n = int(np.count_nonzero(above))
+            if n >= k:
+                if n > V // 8:
+                    break                        # a flat row: partitioning all of it is cheaper
+                cand = np.flatnonzero(above)
+                return cand if n == k else cand[np.argpartition(x[cand], n - k)[n - k:]]
     return np.argpartition(x, V - k)[V - k:]
 
 
