@@ -304,3 +304,53 @@ def test_public_api_is_callable(tmp_path):
 
     rep = edgerun.convert(FIX / "ct-sym-llama", tmp_path / "m.gguf")
     assert rep.storage == {"q4_0": 7} and (tmp_path / "m.gguf").is_file()
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_pre_tokenizer_is_read_from_tokenizer_json(caplog):
+    from edgerun.formats.hf import pre_tokenizer_type
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    assert pre_tokenizer_type({"pre_tokenizer": byte_level}, "default") == "gpt-2"
+    smol = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]}
+    assert pre_tokenizer_type({"pre_tokenizer": smol}, "default") == "smollm"
+    qwen = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"
+                                               r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"}, "behavior": "Isolated"},
+        {**byte_level, "use_regex": False}]}
+    assert pre_tokenizer_type({"pre_tokenizer": qwen}, "default") == "qwen2"
+    llama3 = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"},
+         "behavior": "Isolated"}, {**byte_level, "use_regex": False}]}
+    assert pre_tokenizer_type({"pre_tokenizer": llama3}, "default") == "llama-bpe"
+    with caplog.at_level("WARNING"):
+        assert pre_tokenizer_type({"pre_tokenizer": {"type": "Whitespace"}}, "qwen2") == "qwen2"
+    assert "not one edgerun recognises" in caplog.text
+
+
+def test_imported_smollm_tokenizer_splits_digits_like_its_own(tmp_path):
+    """A SmolLM-style tokenizer.json (single digits, then byte-level) gets llama.cpp's 'smollm' pre-tokenizer:
+    every digit of a number is its own token, as the checkpoint's tokenizer splits it."""
+    import json
+    import shutil
+
+    from edgerun.backends.llamacpp import LlamaCppBackend
+    from edgerun.config import BackendArgs
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(FIX / "awq-gemm-llama", src)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                                                 tj["pre_tokenizer"]]}
+    (src / "tokenizer.json").write_text(json.dumps(tj))
+    out = tmp_path / "m.gguf"
+    convert(src, out)
+    assert gguf.GGUFReader(out).get_field("tokenizer.ggml.pre").contents() == "smollm"
+    be = LlamaCppBackend(out, BackendArgs(n_ctx=64, n_threads=1))
+    try:
+        ids = be.tokenizer.tokenize("x 20241231", special=False, add_bos=False)
+        assert [be.tokenizer.token_bytes(i) for i in ids][-8:] == [c.encode() for c in "20241231"]
+    finally:
+        be.close()

@@ -151,6 +151,9 @@ def test_sparse_dist_equals_the_dense_transforms(scale):
     for trial in range(20):
         V = int(rng.integers(50, 20000))
         x = (rng.standard_normal(V) * scale * (1 + 30 * (trial % 3 == 0))).astype(np.float32)
+        if trial % 4 == 1:                      # a grammar mask: most of the row -inf
+            x[rng.random(V) < rng.choice([0.5, 0.99])] = -np.inf
+            x[int(rng.integers(V))] = 1.0
         s = SamplingArgs(temperature=float(rng.uniform(0.3, 1.5)), top_k=int(rng.choice([0, 1, 5, 40, 300])),
                          top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])))
         d = dist(x, s)

@@ -176,6 +176,36 @@ def _byte_level(tj: dict) -> bool:
     return (tj.get("model") or {}).get("type") == "BPE" and (has(tj.get("pre_tokenizer")) or has(tj.get("decoder")))
 
 
+def _pre_parts(tj: dict) -> list[dict]:
+    node = tj.get("pre_tokenizer") or {}
+    if node.get("type") == "Sequence":
+        return [p for p in node.get("pretokenizers") or [] if isinstance(p, dict)]
+    return [node] if node else []
+
+
+def pre_tokenizer_type(tj: dict, family_default: str) -> str:
+    """llama.cpp's pre-tokenizer name for a tokenizer.json's pre_tokenizer: the split llama.cpp must apply
+    before BPE for its ids to equal the checkpoint's own tokenizer's. Recognised: GPT-2's ByteLevel regex
+    ('gpt-2'), single digits then ByteLevel (SmolLM: 'smollm'), Qwen2's split regex ('qwen2') and Llama 3's
+    ('llama-bpe'); anything else keeps the architecture family's default, with a warning."""
+    parts = _pre_parts(tj)
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "smollm"
+    if kinds[:1] == ["Split"]:
+        pattern = str((parts[0].get("pattern") or {}).get("Regex", ""))
+        if r"\p{N}{1,3}" in pattern:
+            return "llama-bpe"
+        if "(?i:'s|'t|'re|'ve|'m|'ll|'d)" in pattern and r"\p{N}|" in pattern:
+            return "qwen2"
+    log.warning("tokenizer.json's pre-tokenizer %s is not one edgerun recognises; using llama.cpp's %r "
+                "pre-tokenizer of the architecture (digits and punctuation may split differently from the "
+                "checkpoint's own tokenizer)", kinds or "(none)", family_default)
+    return family_default
+
+
 def hf_tokenizer_kv(directory: Path, tokenizer_pre: str, n_vocab: int) -> list[KV]:
     """GGUF tokenizer keys from a checkpoint's tokenizer.json (GPT-2 byte-level BPE) and tokenizer_config.json."""
     import gguf
@@ -192,6 +222,7 @@ def hf_tokenizer_kv(directory: Path, tokenizer_pre: str, n_vocab: int) -> list[K
             kind = (tj.get("model") or {}).get("type") if isinstance(tj, dict) else None
             raise QuantizationError(f"{tj_path}: tokenizer model {kind!r} is not GPT-2 byte-level BPE; expected a "
                                     "byte-level BPE tokenizer (SentencePiece / WordPiece / Unigram are not supported)")
+        tokenizer_pre = pre_tokenizer_type(tj, tokenizer_pre)
     elif (directory / "tokenizer.model").is_file():
         raise QuantizationError(f"{directory}: only a SentencePiece tokenizer.model; expected a byte-level BPE "
                                 "tokenizer.json (SentencePiece is not supported)")

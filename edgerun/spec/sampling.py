@@ -21,11 +21,12 @@ from ..config import SamplingArgs
 
 log = logging.getLogger(__name__)
 
-# top-k looks for its k largest logits among those within a few logits of the maximum first (a
-# comparison pass over the vocabulary or two instead of a partition of all of it); when fewer than k
-# lie within the widest window, or a window holds much of the vocabulary, the whole row is
-# partitioned. Either way the kept set is exactly the k largest.
-_TOPK_WINDOWS = (3.0, 6.0, 12.0)
+# top-k first finds a threshold from every _TOPK_STRIDE-th logit: the k-th largest of that subsample has
+# at least k logits of the row at or above it, so those candidates (about k x stride of them) hold the k
+# largest, and only they are partitioned. One comparison pass over the row instead of a partition of
+# all of it; where the threshold is not finite (masked rows) or lets much of the row through, the whole
+# row is partitioned. Either way the kept set is exactly the k largest.
+_TOPK_STRIDE = 16
 
 
 class Dist:
@@ -103,15 +104,14 @@ def greedy_token(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[i
 def _top_k(x: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest entries of x [V] (ties at the k-th value: any of them)."""
     V = x.shape[-1]
-    m = x.max()
-    if np.isfinite(m):
-        for window in _TOPK_WINDOWS:
-            above = x >= m - window              # holds the k largest once it has >= k entries
-            n = int(np.count_nonzero(above))
-            if n >= k:
-                if n > V // 8:
-                    break                        # a flat row: partitioning all of it is cheaper
-                cand = np.flatnonzero(above)
+    step = min(_TOPK_STRIDE, V // (4 * k))
+    if step >= 2:
+        sub = x[::step]                                    # [V / step]
+        v = np.partition(sub, len(sub) - k)[len(sub) - k]  # k-th largest of the subsample
+        if np.isfinite(v):
+            cand = np.flatnonzero(x >= v)                  # >= k entries (the subsample's own): holds the k largest
+            n = len(cand)
+            if n <= V // 8:
                 return cand if n == k else cand[np.argpartition(x[cand], n - k)[n - k:]]
     return np.argpartition(x, V - k)[V - k:]
 
