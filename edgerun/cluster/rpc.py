@@ -99,12 +99,9 @@ class _Ggml:
     """ctypes handles of libggml (device registry), libggml-base (abort hook) and libggml-rpc."""
 
     def __init__(self) -> None:
-        import llama_cpp
-
-        d = Path(llama_cpp.__file__).parent / "lib"
-        self.base = ctypes.CDLL(str(d / "libggml-base.so"))
-        self.ggml = ctypes.CDLL(str(d / "libggml.so"))
-        self.rpc = ctypes.CDLL(str(d / "libggml-rpc.so"))
+        self.base = ctypes.CDLL(_loaded("libggml-base"))
+        self.ggml = ctypes.CDLL(_loaded("libggml"))
+        self.rpc = ctypes.CDLL(_loaded("libggml-rpc"))
         P, S, C = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
         sz = ctypes.POINTER(ctypes.c_size_t)
         for lib, name, args, res in (
@@ -128,6 +125,25 @@ class _Ggml:
         self.abort_cb_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
         self.base.ggml_set_abort_callback.argtypes = [self.abort_cb_type]
         self.base.ggml_set_abort_callback.restype = ctypes.c_void_p
+
+
+def _loaded(name: str) -> str:
+    """The file of `name` that libllama's process already has loaded (from /proc/self/maps), else the
+    soname file next to libllama. Wheels hold copies, not symlinks, of libggml.so / .so.0 / .so.0.x: a
+    dlopen of another copy would load a second ggml with its own state (abort hook, registry)."""
+    import llama_cpp.llama_cpp as bindings
+
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split(maxsplit=5)[-1].strip()
+                base = os.path.basename(path)
+                if base == f"{name}.so" or base.startswith(f"{name}.so."):
+                    return path
+    except OSError:
+        pass
+    d = Path(bindings._lib._name).parent       # where llama-cpp-python loaded libllama from
+    return str(d / f"{name}.so.0") if (d / f"{name}.so.0").exists() else str(d / f"{name}.so")
 
 
 _ggml: _Ggml | None = None

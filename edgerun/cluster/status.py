@@ -108,17 +108,17 @@ def require_all(records: list[dict]) -> None:
 
 
 def format_table(records: list[dict]) -> list[str]:
-    lines = [f"{'WORKER':22s} {'PROTOCOL':8s} {'RTT':>9s}  {'DEVICE':8s} {'TYPE':5s} {'FREE':>10s} {'TOTAL':>10s}  "
-             f"DESCRIPTION"]
+    """Human-readable lines. A worker's devices appear under the names the head gives them (RPC0, RPC1...);
+    ggml-rpc does not tell the head what they are on the worker (`edgerun worker` prints that)."""
+    lines = [f"{'WORKER':22s} {'PROTOCOL':8s} {'RTT':>9s}  {'DEVICE':8s} {'FREE':>10s} {'TOTAL':>10s}"]
     for r in records:
         if "error" in r:
             lines.append(f"{r['endpoint']:22s} {r.get('protocol', '-'):8s} {'-':>9s}  error: {r['error']}")
             continue
         for i, d in enumerate(r["devices"]):
-            head = (f"{r['endpoint']:22s} {r['protocol']:8s} {r['rtt_ms']:7.3f}ms" if i == 0 else f"{'':22s} "
-                    f"{'':8s} {'':>9s}")
-            lines.append(f"{head}  {d['name']:8s} {d['type']:5s} {d['free'] / 2**30:7.2f}GiB {d['total'] / 2**30:7.2f}GiB"
-                         f"  {d['description']}")
+            head = (f"{r['endpoint']:22s} {r['protocol']:8s} {r['rtt_ms']:7.3f}ms" if i == 0 else
+                    f"{'':22s} {'':8s} {'':>9s}")
+            lines.append(f"{head}  {d['name']:8s} {d['free'] / 2**30:7.2f}GiB {d['total'] / 2**30:7.2f}GiB")
     return lines
 
 
