@@ -2,6 +2,8 @@
 
 Configurations run interleaved in one session (local, 1 worker, 2 workers, and through SSH tunnels when
 sshd can run here), each head in its own process (`edgerun.load(..., rpc=...)`), greedy, plain decoding.
+TTFT is the wall time from the request to the first token (prefill included); tok/s is (n - 1) / (time of
+the last token - time of the first), so prefill is excluded; load is edgerun.load's wall time.
 Workers are `edgerun worker --threads T --cache none` processes; a third worker with a weight cache shows
 load time cold vs warm. Bytes are the kernel's count for the head's TCP connections to its workers
 (`ss -ti`: bytes_sent + bytes_received) over the generation (prefill included), divided by the tokens.
@@ -74,11 +76,16 @@ def head(spec: dict) -> dict:
     t_load = time.perf_counter() - t0
     ports = [int(e.rsplit(":", 1)[1]) for e in spec["rpc"]]
     b0 = tcp_bytes(ports)
-    c = rt.generate(PROMPT, max_tokens=spec["tokens"], temperature=0, gamma=0)
+    t_start = time.perf_counter()
+    stamps, text = [], []
+    for step in rt.stream(PROMPT, max_tokens=spec["tokens"], temperature=0, gamma=0):
+        stamps.append(time.perf_counter())
+        text.append(step.text)
     b1 = tcp_bytes(ports)
-    st = c.stats
-    return {"t_load_s": t_load, "ttft_s": st.t_prefill_s, "tokens_per_s": st.tokens_per_s, "n_tokens": c.n_tokens,
-            "n_prompt": c.n_prompt_tokens, "bytes": b1 - b0, "text": c.text}
+    n = len(stamps)
+    return {"t_load_s": t_load, "ttft_s": stamps[0] - t_start, "n_tokens": n, "bytes": b1 - b0, "text": "".join(text),
+            "tokens_per_s": (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0,
+            "n_prompt": len(rt.tokenize(PROMPT))}
 
 
 def run_head(model: str, rpc: list[str], tokens: int, threads: int) -> dict:

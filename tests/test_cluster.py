@@ -238,6 +238,13 @@ def test_bad_inputs_with_real_workers(workers, tmp_path):
     assert "do not fit on tiny-head" in line
 
 
+@needs_rpc
+def test_serve_checks_the_workers_before_binding(tmp_path):
+    dead = f"127.0.0.1:{free_port()}"
+    line = one_error_line(run_cli("serve", "--port", "0", "--rpc", dead, *HEAD_ARGS, home=tmp_path))
+    assert line.startswith(f"error: RPC worker {dead} is unreachable")
+
+
 def _set_budget(path: Path, gib: float) -> None:
     import yaml
 
