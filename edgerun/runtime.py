@@ -264,7 +264,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     rpc: RPC workers ('HOST:PORT,...' or a list; `edgerun worker` on each board): the target's layers spread
     over them (docs/cluster.md), the drafter stays here. tensor_split: one share per worker device, optionally
     one more (last) for this machine; default: by the workers' free memory. A worker lost later ends the
-    process (llama.cpp cannot continue): on_lost_worker(endpoints) is called first (default: one `error:`
+    process (llama.cpp cannot continue): on_lost_worker(endpoints, ggml's message) is called first (default: one `error:`
     line on stderr, exit status 2).
     """
     from .device.detect import resolve as resolve_profile

@@ -31,13 +31,13 @@ class Cluster:
     handles: list = field(default_factory=list)          # ggml device handles, once attached
     _keep: list = field(default_factory=list)            # ctypes arrays llama.cpp reads during the load
 
-    def attach(self, on_lost: Callable[[Sequence[rpc.Endpoint]], None] | None = None) -> None:
+    def attach(self, on_lost: Callable[[Sequence[rpc.Endpoint], str], None] | None = None) -> None:
         """Connect to every worker in this process (ggml keeps the connections) and install the abort hook:
-        on_lost(endpoints) (default: one `error:` line naming the lost worker, exit 2)."""
+        on_lost(endpoints, ggml's message) (default: one `error:` line naming the lost worker, exit 2)."""
         if on_lost is None:
             rpc.exit_on_lost_worker(self.endpoints)
         else:
-            rpc.on_abort(lambda msg: on_lost(self.endpoints))
+            rpc.on_abort(lambda msg: on_lost(self.endpoints, msg))
         handles = []
         for ep in self.endpoints:
             handles.extend(rpc.remote_devices(ep))

@@ -262,14 +262,17 @@ def lost_workers(endpoints: Sequence[Endpoint]) -> list[Endpoint]:
     return [ep for ep in endpoints if not any((ip, ep.port) in live for ip in _addresses(ep.host))]
 
 
-def describe_loss(endpoints: Sequence[Endpoint]) -> str:
+def describe_loss(endpoints: Sequence[Endpoint], msg: str = "") -> str:
+    """One line for ggml's abort in a process whose model is split over `endpoints`: the lost worker(s) if
+    the socket table shows one, else ggml's own message (an abort that is not about a worker)."""
     lost = lost_workers(endpoints)
     if lost:
         names = ", ".join(str(ep) for ep in lost)
         return (f"lost the RPC worker{'s' if len(lost) > 1 else ''} {names} (its connection closed: the "
                 f"worker or its tunnel stopped); llama.cpp cannot continue a model split without it")
-    return ("an RPC worker failed (" + ", ".join(str(ep) for ep in endpoints) + "); llama.cpp cannot "
-            "continue a model split without it")
+    what = msg.split(": ", 1)[-1].strip() or "no message"
+    return (f"llama.cpp stopped ({what}) while the model is split over " + ", ".join(str(ep) for ep in endpoints)
+            + "; no worker connection had closed")
 
 
 _abort_cb = None    # keep the ctypes callback alive
@@ -298,7 +301,7 @@ def exit_on_lost_worker(endpoints: Sequence[Endpoint], code: int = 2) -> None:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass
-        text = describe_loss(endpoints)
+        text = describe_loss(endpoints, msg)
         log.debug("ggml aborted: %s", msg)
         os.write(2, f"\nerror: {text}\n".encode())
         os._exit(code)

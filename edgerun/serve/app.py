@@ -336,7 +336,7 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
 EXIT_LOST_WORKER = 3
 
 
-def _exit_lost_worker(endpoints) -> None:
+def _exit_lost_worker(endpoints, msg: str = "") -> None:
     """The abort hook of a server whose target is split over RPC workers: ggml met a dead worker in the
     middle of a step and cannot continue. Log the worker's name and exit (systemd's Restart= brings the
     service back; its start-up check waits for the worker)."""
@@ -344,9 +344,9 @@ def _exit_lost_worker(endpoints) -> None:
 
     from ..cluster.rpc import describe_loss
 
-    msg = describe_loss(endpoints)
-    log.error("%s; exiting with status %d (systemd restarts the service)", msg, EXIT_LOST_WORKER)
-    service.notify(f"STATUS={msg}")
+    text = describe_loss(endpoints, msg)
+    log.error("%s; exiting with status %d (systemd restarts the service)", text, EXIT_LOST_WORKER)
+    service.notify(f"STATUS={text}")
     for h in logging.getLogger().handlers:
         h.flush()
     os._exit(EXIT_LOST_WORKER)
