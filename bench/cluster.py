@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from ssh_tunnel import Tunnel, available as ssh_unavailable  # noqa: E402  (the tests' real sshd harness)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n"
 
 
@@ -100,50 +101,6 @@ def run_head(model: str, rpc: list[str], tokens: int, threads: int) -> dict:
     return out
 
 
-class Tunnel:
-    """sshd on a free loopback port (a key of its own, permitopen restricted to the workers' ports) and one
-    `ssh -N -L` per worker: the deployment's transport (deploy/edgerun-tunnel@.service), over loopback."""
-
-    def __init__(self, worker_ports: list[int], tmp: Path) -> None:
-        self.procs: list[subprocess.Popen] = []
-        sshd = shutil.which("sshd") or "/usr/sbin/sshd"
-        for k in ("host", "client"):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / k)], check=True)
-        opens = ",".join(f'permitopen="127.0.0.1:{p}"' for p in worker_ports)
-        (tmp / "authorized_keys").write_text(f"restrict,port-forwarding,{opens} " + (tmp / "client.pub").read_text())
-        os.chmod(tmp / "authorized_keys", 0o600)
-        self.sshd_port = free_port()
-        (tmp / "sshd_config").write_text(
-            f"Port {self.sshd_port}\nListenAddress 127.0.0.1\nHostKey {tmp}/host\nAuthorizedKeysFile {tmp}/authorized_keys\n"
-            f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPidFile {tmp}/sshd.pid\nStrictModes no\n"
-            "PermitRootLogin prohibit-password\nUsePAM no\n")
-        Path("/run/sshd").mkdir(exist_ok=True)
-        self.procs.append(subprocess.Popen([sshd, "-D", "-e", "-f", str(tmp / "sshd_config")],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        wait_port(self.sshd_port)
-        self.local_ports = []
-        for wp in worker_ports:
-            lp = free_port()
-            self.procs.append(subprocess.Popen(
-                ["ssh", "-N", "-T", "-F", "none", "-i", str(tmp / "client"), "-p", str(self.sshd_port),
-                 "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "ExitOnForwardFailure=yes",
-                 "-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={tmp}/known_hosts",
-                 "-L", f"127.0.0.1:{lp}:127.0.0.1:{wp}", f"{os.environ.get('USER', 'root')}@127.0.0.1"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            wait_port(lp)
-            self.local_ports.append(lp)
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            p.terminate()
-            p.wait(10)
-
-
-def can_ssh() -> bool:
-    return bool((shutil.which("sshd") or os.access("/usr/sbin/sshd", os.X_OK)) and shutil.which("ssh")
-                and shutil.which("ssh-keygen")) and os.geteuid() == 0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct")
@@ -161,11 +118,14 @@ def main() -> None:
     workers = [start_worker(a.threads, "none") for _ in range(2)]
     cached = start_worker(a.threads, str(tmp / "cache"))
     tunnel = None
-    if not a.no_ssh and can_ssh():
+    why_not = "--no-ssh" if a.no_ssh else ssh_unavailable()
+    if why_not is None:
         try:
-            tunnel = Tunnel([w[1] for w in workers], tmp)
+            tunnel = Tunnel(tmp / "ssh", [w[1] for w in workers])
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            print(f"(no SSH tunnel: {e})", file=sys.stderr)
+            why_not = str(e)
+    if why_not:
+        print(f"(no SSH tunnel: {why_not})", file=sys.stderr)
     configs = {"local": [], "1 worker": [f"127.0.0.1:{workers[0][1]}"],
                "2 workers": [f"127.0.0.1:{w[1]}" for w in workers]}
     if tunnel:

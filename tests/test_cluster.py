@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from edgerun.cli import main
 from edgerun.cluster import rpc, split
 from server_harness import ServerProcess, clean_env
+import ssh_tunnel
 
 MODEL_PATH = Path.home() / ".cache" / "edgerun" / "models" / "smollm2-135m-instruct.gguf"
 HEAD_ARGS = ("--model", str(MODEL_PATH), "--draft", "none", "--profile", "generic-x86_64-cpu", "--threads", "1",
@@ -181,6 +182,23 @@ def test_a_dead_worker_fails_the_status_but_not_the_caller(workers, tmp_path):
     assert r.returncode == 2 and str(workers[0].ep) in r.stdout
     assert r.stderr.strip().splitlines() == [f"error: RPC worker {dead} is unreachable (nothing listens there); "
                                              "is `edgerun worker` (or its SSH tunnel) running?"]
+
+
+@needs_rpc
+@pytest.mark.skipif(ssh_tunnel.available() is not None, reason=str(ssh_tunnel.available()))
+def test_through_a_restricted_ssh_tunnel(workers, tmp_path):
+    """The deployment's transport: the head sees the worker through an SSH forward, and the key can open
+    the one permitted port only (a forward to the other worker's port is refused by sshd)."""
+    t = ssh_tunnel.Tunnel(tmp_path / "ssh", [workers[0].port, workers[1].port], permit=[workers[0].port])
+    try:
+        ok, refused = (f"127.0.0.1:{p}" for p in t.local_ports)
+        r = run_cli("cluster", "status", "--rpc", ok, "--json", home=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)[0]["protocol"] == rpc.fmt_version(rpc.PROTOCOL)
+        line = one_error_line(run_cli("cluster", "status", "--rpc", refused, home=tmp_path))
+        assert f"RPC worker {refused} closed the connection at the handshake" in line
+    finally:
+        t.close()
 
 
 class FakeOtherProtocol:
