@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,25 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from ssh_tunnel import Tunnel, available as ssh_unavailable  # noqa: E402  (the tests' real sshd harness)
+from ssh_tunnel import Tunnel, available as ssh_unavailable, free_port, wait_port  # noqa: E402  (the tests' sshd harness)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 def start_worker(threads: int, cache: str) -> tuple[subprocess.Popen, int]:

@@ -26,13 +26,13 @@ def available() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, timeout: float = 15) -> None:
+def wait_port(port: int, timeout: float = 15) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         try:
@@ -57,7 +57,7 @@ class Tunnel:
         auth.write_text(f'restrict,port-forwarding,{opens},command="/usr/sbin/nologin" '
                         + (tmp / "client.pub").read_text())
         auth.chmod(0o600)
-        port = _free_port()
+        port = free_port()
         (tmp / "sshd_config").write_text(
             f"Port {port}\nListenAddress 127.0.0.1\nHostKey {tmp}/host\nAuthorizedKeysFile {auth}\n"
             f"PasswordAuthentication no\nKbdInteractiveAuthentication no\nPidFile {tmp}/sshd.pid\n"
@@ -65,18 +65,18 @@ class Tunnel:
         Path("/run/sshd").mkdir(exist_ok=True)
         self.procs.append(subprocess.Popen([SSHD, "-D", "-e", "-f", str(tmp / "sshd_config")],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait_port(port)
+        wait_port(port)
         self.local_ports: list[int] = []
         user = os.environ.get("USER") or "root"
         for remote in forward:
-            lp = _free_port()
+            lp = free_port()
             self.procs.append(subprocess.Popen(
                 ["ssh", "-N", "-T", "-F", "none", "-i", str(tmp / "client"), "-p", str(port),
                  "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "ExitOnForwardFailure=yes",
                  "-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={tmp}/known_hosts",
                  "-L", f"127.0.0.1:{lp}:127.0.0.1:{remote}", f"{user}@127.0.0.1"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            _wait_port(lp)
+            wait_port(lp)
             self.local_ports.append(lp)
 
     def close(self) -> None:
