@@ -7,6 +7,7 @@ Tests that need llama.cpp's RPC backend skip, with the reason, on a llama-cpp-py
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import struct
@@ -290,6 +291,36 @@ def test_split_greedy_output_equals_the_local_run(workers, tmp_path):
     assert local["n_tokens"] == 32 and len(local["text"].split()) > 5
     assert both["text"] == local["text"]
     assert with_head["text"] == local["text"]
+
+
+DRAFT_PATH = MODEL_PATH.with_name("smollm2-135m-instruct@spec.gguf")
+
+
+@needs_rpc
+@needs_model
+@pytest.mark.skipif(not DRAFT_PATH.exists(), reason=f"{DRAFT_PATH} is not made (edgerun pull smollm2-135m-instruct@spec)")
+@pytest.mark.skipif(shutil.which("ss") is None, reason="ss (iproute2) is not installed: the bytes sent cannot be read")
+def test_the_drafter_stays_on_the_head(workers, tmp_path):
+    """Speculative decoding with a split target: the worker receives the target's layers only (a drafter that
+    spread too would double the bytes), and the greedy output is the local plain run's."""
+    ep = str(workers[0].ep)
+    script = (
+        "import json, re, subprocess, edgerun\n"
+        f"rt = edgerun.load({str(MODEL_PATH)!r}, draft={str(DRAFT_PATH)!r}, profile='generic-x86_64-cpu', "
+        f"n_threads=1, n_ctx=512, pull=False, rpc=[{ep!r}])\n"
+        f"out = subprocess.run(['ss', '-tinH', 'state', 'established', 'dst', {ep!r}], capture_output=True, "
+        "text=True).stdout\n"
+        "sent = sum(int(x) for x in re.findall(r'bytes_sent:(\\d+)', out))\n"
+        "c = rt.generate('The three primary colors are', max_tokens=32, temperature=0, gamma=3)\n"
+        "print(json.dumps({'sent': sent, 'text': c.text, 'drafted': c.stats.n_drafted}))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=clean_env(tmp_path, GGML_NO_BACKTRACE="1"))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    target = MODEL_PATH.stat().st_size
+    assert 0.5 * target < got["sent"] < 1.4 * target, (got["sent"], target)
+    assert got["drafted"] > 0
+    assert got["text"] == _generate(tmp_path)["text"]
 
 
 # --- a lost worker ------------------------------------------------------------------------------------------
