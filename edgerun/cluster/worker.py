@@ -7,6 +7,7 @@ and never returns. It binds loopback by default; the head reaches it through an 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -88,8 +89,9 @@ def _check_port_free(host: str, port: int) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
     except OSError as e:
-        raise ClusterError(f"cannot listen on {host}:{port}: {e.strerror}; is another worker using the port? "
-                           f"(choose another with --port)") from None
+        hint = ("is another worker using the port? (choose another with --port)" if e.errno == errno.EADDRINUSE
+                else "is it an address of this machine?")
+        raise ClusterError(f"cannot listen on {host}:{port}: {e.strerror}; {hint}") from None
     finally:
         s.close()
 
