@@ -158,7 +158,12 @@ if [ "$mode" = tunnel ]; then
         ssh-keygen -lf "$tdir/known_hosts" | grep -F "$tunnel_host" || true
     fi
     run mkdir -p "$unit_dir"
-    write_file "$unit_dir/edgerun-tunnel@.service" 0644 <"$here/edgerun-tunnel@.service"
+    sed "s#/etc/edgerun/#$etc_dir/#g" "$here/edgerun-tunnel@.service" | write_file "$unit_dir/edgerun-tunnel@.service" 0644
+    # A head whose workers are away (rebooting) fails its start-up check (exit 2): keep retrying every
+    # 10 s instead of giving up after the unit's 5 starts in 10 min.
+    run mkdir -p "$unit_dir/edgerun.service.d"
+    printf '[Unit]\nStartLimitIntervalSec=0\n\n[Service]\nRestartSec=10s\n' | \
+        write_file "$unit_dir/edgerun.service.d/20-cluster.conf" 0644
     say "on $tunnel_host, authorize this head (the key may open 127.0.0.1:$remote_port and nothing else):"
     say "  sudo deploy/install.sh --worker --authorize-key edgerun-head.pub   # with this file's content:"
     if [ "$dry" = 0 ]; then cat "$tdir/id_ed25519.pub"; else say "  (the public key $tdir/id_ed25519.pub)"; fi

@@ -250,6 +250,8 @@ def test_tunnel_unit_forwards_loopback_to_loopback_with_its_own_key():
                 "ServerAliveInterval=5"):
         assert f"-o {opt}" in text
     assert "LoadCredential=key:/etc/edgerun/tunnel/id_ed25519" in text and "-i %d/key" in text
+    assert "LoadCredential=known_hosts:/etc/edgerun/tunnel/known_hosts" in text
+    assert "-o UserKnownHostsFile=%d/known_hosts" in text
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
@@ -285,6 +287,8 @@ def test_install_tunnel_dry_run(tmp_path):
     for line in ("SSH_USER=edgerun-tunnel", "SSH_PORT=22", "LOCAL_PORT=50053", "REMOTE_PORT=50052"):
         assert f"    | {line}" in out.splitlines()
     assert f"+ write {tmp_path}/etc/tunnel/board2.lan.env (mode 0600):" in out
+    assert f"+ write {tmp_path}/units/edgerun.service.d/20-cluster.conf (mode 0644):" in out
+    assert "    | StartLimitIntervalSec=0" in out.splitlines()             # the head retries until workers are back
     assert _command(out, "enable") == ["systemctl", "enable", "edgerun-tunnel@board2.lan.service"]
     assert "-m venv" not in out                                  # a tunnel needs ssh only
     r = subprocess.run(["bash", str(DEPLOY / "install.sh"), "--dry-run", "--tunnel", "-oProxyCommand=x"],
