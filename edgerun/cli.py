@@ -840,7 +840,7 @@ def worker(host, port, threads, devices, cache, allow_network):
         click.echo(f"WARNING: {NETWORK_WARNING.format(addr=f'{host}:{port}')}", err=True)
     cfg = WorkerConfig(host=host, port=port, threads=threads, allow_network=allow_network, cache=cache,
                        devices=tuple(d.strip() for d in (devices or "").split(",") if d.strip()))
-    run_worker(cfg)
+    run_worker(cfg, announce=lambda line: click.echo(f"{line} (one head at a time; Ctrl-C stops)", err=True))
 
 
 @main.group("cluster")

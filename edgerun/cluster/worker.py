@@ -118,12 +118,16 @@ def prepare(config: WorkerConfig) -> tuple[list, Path | None, int]:
     return devices, cache, config.threads or default_threads()
 
 
-def serve(config: WorkerConfig) -> None:
-    """Run the worker (blocks; returns only if ggml's server could not start, then raises ClusterError)."""
+def serve(config: WorkerConfig, announce=None) -> None:
+    """Run the worker (blocks; returns only if ggml's server could not start, then raises ClusterError).
+    announce(line): told once everything is checked, just before serving."""
     devices, cache, threads = prepare(config)
     arr = (ctypes.c_void_p * len(devices))(*devices)
-    log.info("RPC worker on %s:%d, %d thread(s), devices %s, cache %s", config.host, config.port, threads,
-             ", ".join(rpc.dev_info(d)["name"] for d in devices), cache or "off")
+    line = (f"RPC worker on {config.host}:{config.port}: {threads} thread(s), device(s) "
+            + ", ".join(rpc.dev_info(d)["name"] for d in devices) + f", weight cache {cache or 'off'}")
+    log.info("%s", line)
+    if announce is not None:
+        announce(line)
     # ggml's server loop never returns to Python: let Ctrl-C and SIGTERM end the process directly
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
