@@ -3,6 +3,8 @@
 #
 #   sudo deploy/install.sh [--dry-run] [--profile NAME] [--prefix /opt/edgerun] [--source DIR|SPEC]
 #                          [--llama-wheel FILE]
+#   sudo deploy/install.sh --worker [--authorize-key HEAD_KEY.pub] [...]   # a board that lends its memory
+#   sudo deploy/install.sh --tunnel HOST [--local-port N] [--remote-port N] # on the head, once per worker
 #
 # Steps: create a venv under PREFIX; install edgerun's light dependencies and edgerun itself;
 # detect the board (`edgerun service build-flags`, i.e. the device profile); build llama-cpp-python
@@ -10,6 +12,10 @@
 # install a wheel already built with them (--llama-wheel: e.g. cross-built for a fleet of Pis);
 # install the rest; write /etc/edgerun/edgerun.env (kept if it exists) and the unit
 # (`edgerun service print`); systemctl daemon-reload, enable and (re)start the service.
+# llama-cpp-python is always built with llama.cpp's RPC backend (-DGGML_RPC=on) so any board can be a
+# head or a worker of a split model (docs/cluster.md). --worker installs edgerun-worker.service instead
+# of the server (loopback only) and an account for heads' tunnels; --tunnel HOST installs, on a head,
+# edgerun-tunnel@HOST (an SSH forward with a key of its own) and prints the line HOST must authorize.
 # --dry-run prints every step without doing any of it (nothing is created or changed).
 set -euo pipefail
 
@@ -25,6 +31,13 @@ start=1
 root=/
 llama_wheel=""
 offline=0
+mode=server
+authorize_key=""
+tunnel_host=""
+local_port=50052
+remote_port=50052
+ssh_user=edgerun-tunnel
+ssh_port=22
 
 usage() {
     cat <<EOF
@@ -44,6 +57,14 @@ usage: install.sh [options]
                      with the board profile's CMAKE_ARGS, e.g. by bench/boards/emulate_pi.sh)
   --root DIR         read the board identity files under DIR instead of / (tests, emulation;
                      exported as EDGERUN_DEVICE_ROOT, so edgerun's own detection reads there too)
+  --worker           install the RPC worker (edgerun-worker.service, loopback only) instead of the server
+  --authorize-key F  with --worker: let the head whose tunnel key is F (a .pub) forward to the worker port
+                     only (authorized_keys of the '$ssh_user' account: restrict,port-forwarding,permitopen)
+  --tunnel HOST      on a head: the SSH tunnel to the worker on HOST (edgerun-tunnel@HOST, its own key)
+  --local-port N     --tunnel: port on this head's loopback (default 50052; one per worker)
+  --remote-port N    --tunnel / --authorize-key: the worker's port (default 50052)
+  --ssh-user U       --tunnel / --worker: account on the worker that takes tunnels (default $ssh_user)
+  --ssh-port N       --tunnel: the worker's SSH port (default 22)
 EOF
 }
 
@@ -60,6 +81,13 @@ while [ $# -gt 0 ]; do
         --offline) offline=1 ;;
         --root) root="${2:?--root needs a value}"; shift ;;
         --llama-wheel) llama_wheel="${2:?--llama-wheel needs a value}"; shift ;;
+        --worker) mode=worker ;;
+        --authorize-key) authorize_key="${2:?--authorize-key needs a value}"; shift ;;
+        --tunnel) mode=tunnel; tunnel_host="${2:?--tunnel needs a HOST}"; shift ;;
+        --local-port) local_port="${2:?--local-port needs a value}"; shift ;;
+        --remote-port) remote_port="${2:?--remote-port needs a value}"; shift ;;
+        --ssh-user) ssh_user="${2:?--ssh-user needs a value}"; shift ;;
+        --ssh-port) ssh_port="${2:?--ssh-port needs a value}"; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "install.sh: unknown option $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -101,6 +129,53 @@ os="$(uname -s)"
 if [ "$dry" = 0 ] && [ "$(id -u)" != 0 ]; then
     echo "install.sh: run as root (it writes $prefix, $etc_dir and $unit_dir), or use --dry-run" >&2
     exit 2
+fi
+for v in "$local_port" "$remote_port" "$ssh_port"; do
+    case "$v" in ''|*[!0-9]*) echo "install.sh: port $v is not a number" >&2; exit 2 ;; esac
+done
+if [ -n "$authorize_key" ] && [ "$mode" != worker ]; then
+    echo "install.sh: --authorize-key goes with --worker (run it on the worker board)" >&2; exit 2
+fi
+
+# --- a head's SSH tunnel to one worker (no venv needed: ssh only) -----------------------------------
+if [ "$mode" = tunnel ]; then
+    case "$tunnel_host" in
+        ''|-*|*[!A-Za-z0-9.:_-]*) echo "install.sh: --tunnel $tunnel_host is not a host name or address" >&2; exit 2 ;;
+    esac
+    tdir="$etc_dir/tunnel"
+    say "SSH tunnel 127.0.0.1:$local_port -> $tunnel_host:127.0.0.1:$remote_port (edgerun-tunnel@$tunnel_host)"
+    run mkdir -p -m 0700 "$tdir"
+    if [ -e "$tdir/id_ed25519" ]; then
+        say "keeping the existing tunnel key $tdir/id_ed25519"
+    else
+        run ssh-keygen -q -t ed25519 -N "" -C "edgerun-head@$(hostname)" -f "$tdir/id_ed25519"
+    fi
+    printf 'SSH_USER=%s\nSSH_PORT=%s\nLOCAL_PORT=%s\nREMOTE_PORT=%s\n' "$ssh_user" "$ssh_port" "$local_port" \
+        "$remote_port" | write_file "$tdir/$tunnel_host.env" 0600
+    if [ "$dry" = 0 ] && ! ssh-keygen -F "$tunnel_host" -f "$tdir/known_hosts" >/dev/null 2>&1; then
+        say "recording $tunnel_host's host key (compare its fingerprint with the worker's: ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub)"
+        ssh-keyscan -p "$ssh_port" -t ed25519 "$tunnel_host" 2>/dev/null >>"$tdir/known_hosts"
+        ssh-keygen -lf "$tdir/known_hosts" | grep -F "$tunnel_host" || true
+    fi
+    run mkdir -p "$unit_dir"
+    sed "s#/etc/edgerun/#$etc_dir/#g" "$here/edgerun-tunnel@.service" | write_file "$unit_dir/edgerun-tunnel@.service" 0644
+    # A head whose workers are away (rebooting) fails its start-up check (exit 2): keep retrying every
+    # 10 s instead of giving up after the unit's 5 starts in 10 min.
+    run mkdir -p "$unit_dir/edgerun.service.d"
+    printf '[Unit]\nStartLimitIntervalSec=0\n\n[Service]\nRestartSec=10s\n' | \
+        write_file "$unit_dir/edgerun.service.d/20-cluster.conf" 0644
+    say "on $tunnel_host, authorize this head (the key may open 127.0.0.1:$remote_port and nothing else):"
+    say "  sudo deploy/install.sh --worker --authorize-key edgerun-head.pub   # with this file's content:"
+    if [ "$dry" = 0 ]; then cat "$tdir/id_ed25519.pub"; else say "  (the public key $tdir/id_ed25519.pub)"; fi
+    say "then add 127.0.0.1:$local_port to EDGERUN_RPC in $etc_dir/edgerun.env"
+    if [ "$offline" = 1 ] || { [ "$dry" = 0 ] && [ ! -d /run/systemd/system ]; }; then
+        run systemctl --root=/ enable "edgerun-tunnel@$tunnel_host.service"
+        exit 0
+    fi
+    run systemctl daemon-reload
+    run systemctl enable "edgerun-tunnel@$tunnel_host.service"
+    [ "$start" = 1 ] && run systemctl restart "edgerun-tunnel@$tunnel_host.service"
+    exit 0
 fi
 if ! "$python" -c 'import sys, venv; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
     if [ "$dry" = 1 ]; then
@@ -187,6 +262,8 @@ else
     say "note: board detected without edgerun's Python packages (build env of the profile not read)"
 fi
 llama_pin="${llama_pin:-0.3.36}"
+# llama.cpp's RPC backend on every board (a head and a worker need it; it costs nothing unused)
+cmake_args="${cmake_args:+$cmake_args }-DGGML_RPC=on"
 say "board: $board ($reason)"
 say "llama-cpp-python $llama_pin with CMAKE_ARGS='$cmake_args'"
 
@@ -207,11 +284,58 @@ else
         "$venv/bin/python" -m pip install --no-cache-dir --no-binary llama-cpp-python \
         "llama-cpp-python==$llama_pin"
 fi
-run "$venv/bin/python" -m pip install "$pkg_serve"
+if [ "$mode" = worker ]; then
+    run "$venv/bin/python" -m pip install "$pkg"
+else
+    run "$venv/bin/python" -m pip install "$pkg_serve"
+fi
 
 if [ "$os" != Linux ]; then
     say "installed in $venv; this script sets up systemd services only (not $os):"
     say "run '$venv/bin/edgerun serve' under your service manager"
+    exit 0
+fi
+
+# --- 4w. a worker: its env file and unit, the account heads' tunnels log in to ----------------------
+if [ "$mode" = worker ]; then
+    run mkdir -p "$etc_dir"
+    if [ -e "$etc_dir/worker.env" ]; then
+        say "keeping the existing $etc_dir/worker.env"
+    else
+        sed "s/^EDGERUN_WORKER_PORT=.*/EDGERUN_WORKER_PORT=$remote_port/" "$here/worker.env" | \
+            write_file "$etc_dir/worker.env" 0600
+    fi
+    run mkdir -p "$unit_dir"
+    sed "s#^ExecStart=/opt/edgerun/venv/bin/edgerun worker#ExecStart=$venv/bin/edgerun worker#" \
+        "$here/edgerun-worker.service" | write_file "$unit_dir/edgerun-worker.service" 0644
+    if [ "$dry" = 1 ] || ! id "$ssh_user" >/dev/null 2>&1; then
+        run useradd --system --create-home --home-dir "/var/lib/$ssh_user" --shell /usr/sbin/nologin "$ssh_user"
+    fi
+    if [ -n "$authorize_key" ]; then
+        if [ "$dry" = 0 ]; then
+            key="$(head -n1 "$authorize_key")"
+            case "$key" in ssh-*|ecdsa-*) ;; *) echo "install.sh: $authorize_key is not an SSH public key" >&2; exit 2 ;; esac
+        else
+            key="<the head's key from $authorize_key>"
+        fi
+        home="/var/lib/$ssh_user"
+        run install -d -m 0700 -o "$ssh_user" -g "$ssh_user" "$home/.ssh"
+        line="restrict,port-forwarding,permitopen=\"127.0.0.1:$remote_port\",command=\"/usr/sbin/nologin\" $key"
+        if [ "$dry" = 1 ]; then
+            say "would append to $home/.ssh/authorized_keys: $line"
+        elif ! grep -qF "$key" "$home/.ssh/authorized_keys" 2>/dev/null; then
+            printf '%s\n' "$line" >>"$home/.ssh/authorized_keys"
+            chown "$ssh_user:$ssh_user" "$home/.ssh/authorized_keys"; chmod 0600 "$home/.ssh/authorized_keys"
+        fi
+    fi
+    if [ "$offline" = 1 ] || { [ "$dry" = 0 ] && [ ! -d /run/systemd/system ]; }; then
+        run systemctl --root=/ enable edgerun-worker.service
+        exit 0
+    fi
+    run systemctl daemon-reload
+    run systemctl enable edgerun-worker.service
+    [ "$start" = 1 ] && run systemctl restart edgerun-worker.service
+    say "worker on 127.0.0.1:$remote_port; check it from the head: edgerun cluster status --rpc 127.0.0.1:PORT"
     exit 0
 fi
 

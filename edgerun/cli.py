@@ -86,6 +86,12 @@ def model_options(f):
         click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (profile default)."),
         click.option("--gpu-layers", "n_gpu_layers", type=int, default=None, help="Layers offloaded to the GPU."),
         click.option("--no-pull", is_flag=True, help="Fail instead of downloading a model that is not cached."),
+        click.option("--rpc", default=None, metavar="HOST:PORT,...",
+                     help="Split the target over these RPC workers (`edgerun worker`; reach them through SSH "
+                          "tunnels). The drafter stays here. docs/cluster.md"),
+        click.option("--tensor-split", default=None, metavar="SHARES",
+                     help="With --rpc: the share of each worker device (e.g. 3,1), optionally one more (last) "
+                          "for this machine. Default: by the workers' free memory."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -108,11 +114,27 @@ def sampling_options(f):
     return f
 
 
-def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull):
+def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc=None,
+                 tensor_split=None):
     from .runtime import load
 
     return load(model, draft=draft, profile=profile_name, n_ctx=n_ctx, n_threads=n_threads,
-                n_gpu_layers=n_gpu_layers, gamma=gamma, pull=not no_pull, progress=progress_printer())
+                n_gpu_layers=n_gpu_layers, gamma=gamma, pull=not no_pull, progress=progress_printer(),
+                rpc=rpc, tensor_split=tensor_split)
+
+
+def _check_cluster_options(rpc, tensor_split) -> None:
+    """--rpc / --tensor-split errors before anything loads (the workers themselves are asked at load)."""
+    from .cluster.rpc import parse_endpoints, require_rpc
+    from .cluster.split import parse_tensor_split
+    from .errors import InvalidArgument
+
+    eps = parse_endpoints(rpc)
+    parse_tensor_split(tensor_split)
+    if tensor_split and not eps:
+        raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
+    if eps:
+        require_rpc("--rpc")
 
 
 def _sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed) -> dict:
@@ -177,8 +199,8 @@ def with_structure_options(f):
 @sampling_options
 @with_structure_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
-def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, max_tokens,
-             temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json):
+def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc, tensor_split,
+             max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json):
     """Complete PROMPT (raw text; '-' reads it from stdin)."""
     from .errors import InvalidArgument
     from .runtime import parse_gamma
@@ -190,7 +212,9 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
     parse_gamma(gamma)
     if max_tokens < 0:
         raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
-    with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
+    _check_cluster_options(rpc, tensor_split)
+    with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
+                      tensor_split) as rt:
         if as_json:
             c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw)
             out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
@@ -295,7 +319,7 @@ def _complete_json(text: str) -> bool:
 @click.option("--tool-choice", default="auto", show_default=True,
               help="auto, required, none, or a tool's name (the first answer of each turn; after tool "
                    "results the model answers under 'auto').")
-def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, max_tokens,
+def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc, tensor_split, max_tokens,
          temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system, tools_spec, tool_choice):
     """Interactive multi-turn chat. /reset clears history, /stats shows speed, /exit quits; Ctrl-C stops an answer."""
     from .constrain.tools import parse_tool_choice, parse_tools
@@ -306,7 +330,9 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
         tool_choice = {"type": "function", "function": {"name": tool_choice}}
     if tools:
         parse_tool_choice(tool_choice, parse_tools(tools))
-    with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull) as rt:
+    _check_cluster_options(rpc, tensor_split)
+    with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
+                      tensor_split) as rt:
         base = [{"role": "system", "content": system}] if system else []
         messages = list(base)
         click.echo(f"edgerun chat - {rt.model_name}" + (f" (draft: {rt.draft_name})" if rt.draft_name else "")
@@ -785,3 +811,56 @@ def convert_cmd(source, out, exact, n_ctx, accuracy_level, force, as_json):
         line += (f"; {100 * rep.exact_share:.2f}% of {rep.n_blocks} blocks bit-exact, max |dw|/s "
                  f"{rep.max_rel_err:.4g}")
     click.echo(line + f"; {rep.seconds:.1f} s, peak RSS {rep.peak_rss_mb:.0f} MB")
+
+
+# ---- a model over several boards: `edgerun worker`, `edgerun cluster status` (edgerun/cluster/) ----------
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="EDGERUN_WORKER_HOST", show_envvar=True,
+              help="Address to listen on. ggml-rpc has no authentication: keep loopback and let the head come in "
+                   "through an SSH tunnel. Another address needs --allow-network; 0.0.0.0 is refused.")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True, envvar="EDGERUN_WORKER_PORT",
+              show_envvar=True, help="TCP port.")
+@click.option("--threads", type=click.IntRange(1, None), default=None, envvar="EDGERUN_WORKER_THREADS",
+              show_envvar=True, help="CPU threads for the layers computed here (default: "
+              "physical cores).")
+@click.option("--device", "devices", default=None, metavar="NAME,...", envvar="EDGERUN_WORKER_DEVICE",
+              show_envvar=True,
+              help="ggml devices to offer (e.g. CUDA0, CPU); default: this board's GPUs, else its CPU.")
+@click.option("--cache", default="default", show_default=True, envvar="EDGERUN_WORKER_CACHE", show_envvar=True,
+              help="Weight cache directory ('default': $EDGERUN_HOME/rpc-cache; 'none': off). A head that loads "
+                   "the same model again sends hashes instead of weights.")
+@click.option("--allow-network", is_flag=True, envvar="EDGERUN_WORKER_ALLOW_NETWORK", show_envvar=True,
+              help="DANGEROUS: listen on a non-loopback --host. Anyone who can connect can run code on this board.")
+def worker(host, port, threads, devices, cache, allow_network):
+    """Lend this board's memory and compute to a head (`--rpc` of generate/chat/serve): a ggml-rpc worker."""
+    from .cluster.worker import NETWORK_WARNING, WorkerConfig, check_host, serve as run_worker
+
+    if check_host(host, allow_network):
+        click.echo(f"WARNING: {NETWORK_WARNING.format(addr=f'{host}:{port}')}", err=True)
+    cfg = WorkerConfig(host=host, port=port, threads=threads, allow_network=allow_network, cache=cache,
+                       devices=tuple(d.strip() for d in (devices or "").split(",") if d.strip()))
+    run_worker(cfg, announce=lambda line: click.echo(f"{line} (one head at a time; Ctrl-C stops)", err=True))
+
+
+@main.group("cluster")
+def cluster_group() -> None:
+    """A model split over several boards (llama.cpp's RPC backend): docs/cluster.md."""
+
+
+@cluster_group.command("status")
+@click.option("--rpc", required=True, metavar="HOST:PORT,...", help="The workers to ask.")
+@click.option("--timeout", type=click.FloatRange(0.1, 60), default=3.0, show_default=True,
+              help="Seconds to wait for each worker's handshake.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON list.")
+def cluster_status(rpc, timeout, as_json):
+    """Each worker's protocol version, devices, free/total memory and round-trip time (exit 2 if one fails)."""
+    from .cluster.rpc import parse_endpoints
+    from .cluster.status import format_table, require_all, status
+
+    records = status(parse_endpoints(rpc), timeout=timeout)
+    if as_json:
+        click.echo(json.dumps(records, indent=1))
+    else:
+        click.echo("\n".join(format_table(records)))
+    require_all(records)

@@ -52,3 +52,7 @@ class BackendError(EdgerunError):
 
 class QuantizationError(EdgerunError):
     """A quantization input or option is not supported (architecture, format, NaN weights, ...)."""
+
+
+class ClusterError(EdgerunError):
+    """An RPC worker is unreachable, busy, speaks another protocol, or was lost; or the build has no RPC."""

@@ -92,12 +92,15 @@ class Model:
 
     @classmethod
     def load(cls, path: str | Path, *, vocab_only: bool = False, n_gpu_layers: int = 0,
-             use_mmap: bool = True, use_mlock: bool = False) -> "Model":
+             use_mmap: bool = True, use_mlock: bool = False, cluster=None) -> "Model":
+        """cluster: an attached edgerun.cluster.head.Cluster: the layers spread over its RPC workers."""
         p = check_gguf(path)
         L = lib()
         params = L.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = n_gpu_layers
+        if cluster is not None:
+            cluster.model_params(params)
         params.use_extra_bufts = use_extra_buffers()
         params.load_mode = {(True, False): L.LLAMA_LOAD_MODE_MMAP, (True, True): L.LLAMA_LOAD_MODE_MMAP_MLOCK,
                             (False, True): L.LLAMA_LOAD_MODE_MLOCK, (False, False): L.LLAMA_LOAD_MODE_NONE}[

@@ -93,6 +93,7 @@ class Runtime:
         self.sampling = sampling
         self.policy = policy if policy is not None else FixedGamma(spec.gamma if spec.gamma is not None else 4)
         self.tuner_store = tuner_store       # persists what the gamma tuner learns (per sampling regime)
+        self.cluster = getattr(target, "cluster", None)   # the RPC workers the target spreads over, if any
         self._tuners: dict[str, GammaTuner] = {}
         self.last_stats: GenStats | None = None
         self.session_stats = GenStats()
@@ -254,11 +255,17 @@ class Runtime:
 def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile: str = "auto", *,
          n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
          flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
-         pull: bool = True, progress=None, sampling: SamplingArgs | None = None) -> Runtime:
+         pull: bool = True, progress=None, sampling: SamplingArgs | None = None, rpc=None,
+         tensor_split=None, on_lost_worker=None) -> Runtime:
     """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
 
     draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
     profile: 'auto' (detect the device), a profile name, or a YAML path.
+    rpc: RPC workers ('HOST:PORT,...' or a list; `edgerun worker` on each board): the target's layers spread
+    over them (docs/cluster.md), the drafter stays here. tensor_split: one share per worker device, optionally
+    one more (last) for this machine; default: by the workers' free memory. A worker lost later ends the
+    process (llama.cpp cannot continue): on_lost_worker(endpoints, ggml's message) is called first (default: one `error:`
+    line on stderr, exit status 2).
     """
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
@@ -282,10 +289,20 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
         draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))
     target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
+    cluster = None
+    if rpc or tensor_split:
+        from .cluster.head import plan
+
+        if not rpc:
+            raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
+        cluster = plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes, n_gpu_layers=n_gpu_layers)
+        target_bytes, kv_bytes = cluster.placement.head_bytes, cluster.placement.head_kv
     check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
                               kv_bytes=kv_bytes + draft_kv, n_ctx=args.n_ctx)
 
-    target = open_backend(target_path, args)
+    if cluster is not None:
+        cluster.attach(on_lost_worker)
+    target = open_backend(target_path, args, cluster=cluster)
     try:
         drafter = make_drafter(None if draft is None else (str(draft_path) if draft_path else draft), target,
                                backend_args=args, spec_args=spec, pull=pull)

@@ -28,6 +28,11 @@ DEPLOY = ROOT / "deploy"
 LLAMA_PIN = re.search(r'"llama-cpp-python==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
 
 
+def with_rpc(cmake_args: str) -> str:
+    """install.sh builds llama.cpp's RPC backend on every board, after the profile's own flags."""
+    return f"{cmake_args} -DGGML_RPC=on" if cmake_args else "-DGGML_RPC=on"
+
+
 # --- the unit ---------------------------------------------------------------------------------------
 
 def test_shipped_unit_is_what_service_print_renders_for_opt():
@@ -140,7 +145,7 @@ def test_install_dry_run_builds_with_the_profile_flags(tmp_path, name):
     prof = load_profile(name)
     venv = tmp_path / "opt" / "venv"
     build = _command(out, "--no-binary")
-    assert f"CMAKE_ARGS={prof.build.cmake_args}" in build and f"llama-cpp-python=={LLAMA_PIN}" in build
+    assert f"CMAKE_ARGS={with_rpc(prof.build.cmake_args)}" in build and f"llama-cpp-python=={LLAMA_PIN}" in build
     for k, v in prof.build.env.items():
         assert f"{k}={v}" in build
     assert build[build.index("-m") - 1] == f"{venv}/bin/python"
@@ -160,7 +165,7 @@ def test_install_dry_run_detects_this_board(tmp_path):
     expected, _ = detect()
     out = _install(tmp_path).stdout
     assert f"==> board: {expected.name} (" in out
-    assert f"CMAKE_ARGS={expected.build.cmake_args}" in _command(out, "--no-binary")
+    assert f"CMAKE_ARGS={with_rpc(expected.build.cmake_args)}" in _command(out, "--no-binary")
 
 
 @pytest.mark.parametrize("files, board", [
@@ -176,7 +181,7 @@ def test_install_detects_from_board_files_without_python_packages(tmp_path, file
     out = _install(tmp_path, "--root", str(root), python="/bin/false").stdout   # no usable Python: fallback
     assert f"==> board: {board} (" in out
     build = _command(out, "--no-binary")
-    assert f"CMAKE_ARGS={load_profile(board).build.cmake_args}" in build
+    assert f"CMAKE_ARGS={with_rpc(load_profile(board).build.cmake_args)}" in build
     assert f"llama-cpp-python=={LLAMA_PIN}" in build
 
 
@@ -208,6 +213,87 @@ def test_install_root_reaches_edgerun_detection(tmp_path):
     board = "rpi4-8gb" if os.uname().machine == "aarch64" else "generic-x86_64-cpu"
     line = next(ln for ln in out.splitlines() if ln.startswith("==> board: "))
     assert line.startswith(f"==> board: {board} (") and "/proc/meminfo missing" in line, line
+
+
+# --- a model over several boards: the worker, the head's tunnels ---------------------------------------
+
+HARDENING = [ln for ln in (DEPLOY / "edgerun.service").read_text().splitlines()
+             if ln.split("=")[0] in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp",
+                                     "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs",
+                                     "ProtectControlGroups", "ProtectClock", "ProtectHostname",
+                                     "RestrictAddressFamilies", "RestrictNamespaces", "RestrictRealtime",
+                                     "RestrictSUIDSGID", "LockPersonality", "SystemCallArchitectures",
+                                     "CapabilityBoundingSet", "UMask", "DynamicUser")]
+
+
+@pytest.mark.parametrize("unit", ["edgerun-worker.service", "edgerun-tunnel@.service"])
+def test_cluster_units_have_the_service_hardening(unit):
+    lines = (DEPLOY / unit).read_text().splitlines()
+    assert len(HARDENING) == 19 and [h for h in HARDENING if h not in lines] == []
+    assert "Restart=on-failure" in lines or "Restart=always" in lines
+
+
+def test_worker_unit_runs_the_loopback_worker():
+    lines = (DEPLOY / "edgerun-worker.service").read_text().splitlines()
+    assert "ExecStart=/opt/edgerun/venv/bin/edgerun worker" in lines
+    assert "EnvironmentFile=-/etc/edgerun/worker.env" in lines
+    env = (DEPLOY / "worker.env").read_text()
+    assert "\nEDGERUN_WORKER_HOST" not in env and "#EDGERUN_WORKER_ALLOW_NETWORK=1" in env   # loopback unless asked
+    ctx = main.commands["worker"].make_context("worker", [])
+    assert ctx.params["host"] == "127.0.0.1" and ctx.params["port"] == 50052
+
+
+def test_tunnel_unit_forwards_loopback_to_loopback_with_its_own_key():
+    text = (DEPLOY / "edgerun-tunnel@.service").read_text()
+    assert "-L 127.0.0.1:${LOCAL_PORT}:127.0.0.1:${REMOTE_PORT} ${SSH_USER}@%i" in text
+    for opt in ("ExitOnForwardFailure=yes", "StrictHostKeyChecking=yes", "BatchMode=yes", "IdentitiesOnly=yes",
+                "ServerAliveInterval=5"):
+        assert f"-o {opt}" in text
+    assert "LoadCredential=key:/etc/edgerun/tunnel/id_ed25519" in text and "-i %d/key" in text
+    assert "LoadCredential=known_hosts:/etc/edgerun/tunnel/known_hosts" in text
+    assert "-o UserKnownHostsFile=%d/known_hosts" in text
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (Debian package 'systemd'; deploy/ci-deps.sh installs it)")
+def test_cluster_units_pass_systemd_analyze_verify(tmp_path):
+    program = shlex.split(service.default_exec_start())[0]          # this installation's edgerun
+    worker = tmp_path / "edgerun-worker.service"
+    worker.write_text((DEPLOY / "edgerun-worker.service").read_text().replace("/opt/edgerun/venv/bin/edgerun", program))
+    assert _verify(worker) == []
+    if shutil.which("ssh") == "/usr/bin/ssh":
+        tunnel = tmp_path / "edgerun-tunnel@board2.service"
+        tunnel.write_text((DEPLOY / "edgerun-tunnel@.service").read_text())
+        assert _verify(tunnel) == []
+
+
+def test_install_worker_dry_run(tmp_path):
+    out = _install(tmp_path, "--profile", "rpi5-8gb", "--worker", "--authorize-key", "/tmp/head.pub",
+                   "--remote-port", "50060").stdout
+    build = _command(out, "--no-binary")
+    assert f"CMAKE_ARGS={with_rpc(load_profile('rpi5-8gb').build.cmake_args)}" in build
+    venv = tmp_path / "opt" / "venv"
+    assert f"    | ExecStart={venv}/bin/edgerun worker" in out.splitlines()
+    assert "    | EDGERUN_WORKER_PORT=50060" in out.splitlines()
+    assert 'restrict,port-forwarding,permitopen="127.0.0.1:50060",command="/usr/sbin/nologin"' in out
+    assert _command(out, "useradd")[-1] == "edgerun-tunnel"
+    assert _command(out, "enable") == ["systemctl", "enable", "edgerun-worker.service"]
+    assert "/edgerun.service" not in out and "[serve]" not in out        # not the server
+
+
+def test_install_tunnel_dry_run(tmp_path):
+    out = _install(tmp_path, "--tunnel", "board2.lan", "--local-port", "50053").stdout
+    assert _command(out, "ssh-keygen")[-1] == f"{tmp_path}/etc/tunnel/id_ed25519"
+    for line in ("SSH_USER=edgerun-tunnel", "SSH_PORT=22", "LOCAL_PORT=50053", "REMOTE_PORT=50052"):
+        assert f"    | {line}" in out.splitlines()
+    assert f"+ write {tmp_path}/etc/tunnel/board2.lan.env (mode 0600):" in out
+    assert f"+ write {tmp_path}/units/edgerun.service.d/20-cluster.conf (mode 0644):" in out
+    assert "    | StartLimitIntervalSec=0" in out.splitlines()             # the head retries until workers are back
+    assert _command(out, "enable") == ["systemctl", "enable", "edgerun-tunnel@board2.lan.service"]
+    assert "-m venv" not in out                                  # a tunnel needs ssh only
+    r = subprocess.run(["bash", str(DEPLOY / "install.sh"), "--dry-run", "--tunnel", "-oProxyCommand=x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is not a host name" in r.stderr
 
 
 def test_install_rejects_unknown_options():

@@ -8,8 +8,9 @@ from ..config import BackendArgs
 from ..errors import ModelFormatError, ModelNotFound
 
 
-def open_backend(path: str | Path, args: BackendArgs | None = None):
-    """A .gguf file -> llama.cpp; a directory exported by `edgerun export onnx` -> onnxruntime."""
+def open_backend(path: str | Path, args: BackendArgs | None = None, cluster=None):
+    """A .gguf file -> llama.cpp; a directory exported by `edgerun export onnx` -> onnxruntime.
+    cluster: an attached edgerun.cluster.head.Cluster (llama.cpp only): the target spreads over its workers."""
     p = Path(path)
     args = args or BackendArgs()
     if not p.exists():
@@ -23,7 +24,7 @@ def open_backend(path: str | Path, args: BackendArgs | None = None):
         return OnnxBackend(p, args)
     from .llamacpp import LlamaCppBackend
 
-    return LlamaCppBackend(p, args)
+    return LlamaCppBackend(p, args, cluster=cluster)
 
 
 def model_memory(path: str | Path, n_ctx: int) -> tuple[int, int]:

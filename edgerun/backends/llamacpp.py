@@ -30,11 +30,12 @@ def default_threads() -> int:
 class LlamaCppBackend:
     """One GGUF model + its context (KV cache) in llama.cpp."""
 
-    def __init__(self, path: str | Path, args: BackendArgs | None = None) -> None:
+    def __init__(self, path: str | Path, args: BackendArgs | None = None, cluster=None) -> None:
         args = args or BackendArgs()
         L = llama_lib.lib()
         self._model = llama_lib.Model.load(path, n_gpu_layers=args.n_gpu_layers,
-                                           use_mmap=args.use_mmap, use_mlock=args.use_mlock)
+                                           use_mmap=args.use_mmap, use_mlock=args.use_mlock, cluster=cluster)
+        self.cluster = cluster
         self.path = self._model.path
         self.name = f"llama.cpp:{self.path.name}"
         self.tokenizer = Tokenizer(self._model)

@@ -63,6 +63,7 @@ class _State:
         self.created = int(time.time())
         self.bound: tuple[str, int] | None = None     # where the watchdog's self-probe connects (run.py sets it)
         self.integrity: dict[str, str] = {}      # registry model -> checking | ok | corrupt (pinned sha256)
+        self.lost_worker: str | None = None      # set when an RPC worker of a split model is gone (fatal)
 
     @property
     def model_id(self) -> str:
@@ -79,6 +80,24 @@ class _State:
         service.notify("READY=1", f"STATUS=serving {self.config.model} on {self.config.host}:{self.config.port}")
         threading.Thread(target=self._verify_models, args=(getattr(runtime, "draft_name", None),),
                          name="edgerun-verify", daemon=True).start()
+        if getattr(runtime, "cluster", None) is not None:
+            threading.Thread(target=self._watch_workers, args=(runtime.cluster,), name="edgerun-workers",
+                             daemon=True).start()
+
+    def _watch_workers(self, cluster, interval: float = 0.5) -> None:
+        """An idle server notices a lost RPC worker too: /health answers 503 `worker_lost`, the error names
+        the worker, and the server exits non-zero (a generation that meets the dead worker ends the process
+        at once through the abort hook, _exit_lost_worker)."""
+        from ..cluster.rpc import describe_loss
+
+        while not cluster.lost():
+            time.sleep(interval)
+        self.lost_worker = describe_loss(cluster.endpoints)
+        log.error("%s; stopping (systemd restarts the service)", self.lost_worker)
+        service.notify(f"STATUS={self.lost_worker}")
+        time.sleep(1.0)                       # load balancers see the 503 before the socket closes
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.request_exit)
 
     def _verify_models(self, draft_name: str | None) -> None:
         """After a load, re-hash the cached registry files against their pinned sha256 (same-size
@@ -185,7 +204,9 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     @app.get("/health")
     async def health():
         sch = state.scheduler
-        if sch.draining:
+        if state.lost_worker is not None:
+            body, status = {"status": "worker_lost", "error": state.lost_worker}, 503
+        elif sch.draining:
             body, status = {"status": "shutting_down"}, 503
         elif sch.load_error is not None:
             body, status = {"status": "error", "error": str(sch.load_error)}, 503
@@ -304,9 +325,31 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
 
         opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
                 if v is not None}
+        if config.rpc:
+            opts.update(rpc=list(config.rpc), tensor_split=list(config.tensor_split) or None,
+                        on_lost_worker=_exit_lost_worker)
         opts.update(config.load_opts)
         return load_runtime(config.model, draft=config.draft, profile=config.profile, pull=config.pull, **opts)
     return load
+
+
+EXIT_LOST_WORKER = 3
+
+
+def _exit_lost_worker(endpoints, msg: str = "") -> None:
+    """The abort hook of a server whose target is split over RPC workers: ggml met a dead worker in the
+    middle of a step and cannot continue. Log the worker's name and exit (systemd's Restart= brings the
+    service back; its start-up check waits for the worker)."""
+    import os
+
+    from ..cluster.rpc import describe_loss
+
+    text = describe_loss(endpoints, msg)
+    log.error("%s; exiting with status %d (systemd restarts the service)", text, EXIT_LOST_WORKER)
+    service.notify(f"STATUS={text}")
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os._exit(EXIT_LOST_WORKER)
 
 
 class _Gate:

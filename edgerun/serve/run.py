@@ -29,6 +29,11 @@ def precheck(config: ServerConfig) -> None:
     from ..registry.manifest import get_manifest
     from ..registry.cache import resolve_model
 
+    if config.rpc:                     # the workers answer and speak our protocol (asked in a child process)
+        from ..cluster.rpc import parse_endpoints
+        from ..cluster.status import require_all, status
+
+        require_all(status(parse_endpoints(config.rpc)))
     for spec in (config.model, config.draft):
         if spec in (None, "auto", "none", "lookup"):
             continue
@@ -176,6 +181,10 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if state.lost_worker is not None:
+        from ..errors import ClusterError
+
+        raise ClusterError(state.lost_worker)
     err = state.scheduler.load_error
     if err is not None:
         if isinstance(err, EdgerunError):

@@ -41,6 +41,8 @@ class ServerConfig:
     insecure_no_auth: bool = False       # serve a non-loopback address without an API key, knowingly
     cors_origins: tuple[str, ...] = ()   # browser origins allowed to call the API (none by default)
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides the loopback ones
+    rpc: tuple[str, ...] = ()            # RPC workers the target is split over (HOST:PORT)
+    tensor_split: tuple = ()             # their shares (+ optionally the head's, last)
     load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
 
     def __post_init__(self) -> None:
@@ -63,6 +65,13 @@ class ServerConfig:
             if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
                 raise InvalidArgument(f"--cors-origin {origin!r:.60} is not an origin; expected scheme://host[:port] "
                                       "such as http://192.168.1.20:3000 (or *)")
+        from ..cluster.rpc import parse_endpoints
+        from ..cluster.split import parse_tensor_split
+
+        parse_endpoints(self.rpc)
+        parse_tensor_split(self.tensor_split)
+        if self.tensor_split and not self.rpc:
+            raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidArgument("api_key must not be empty or white space (an empty --api-key= or EDGERUN_API_KEY= "
                                   "would silently mean no authentication; leave it unset to disable authentication)")
@@ -160,6 +169,15 @@ SETTINGS: tuple[Setting, ...] = (
             env_example="4096", env_doc=("", "Engine overrides (empty: the device profile decides).")),
     Setting("n_threads", ("--threads",), "EDGERUN_THREADS", "CPU threads (profile default).", type=int,
             env_example="4"),
+    Setting("rpc", ("--rpc",), "EDGERUN_RPC",
+            "Split the target over these RPC workers (HOST:PORT,...; `edgerun worker`, reached through SSH tunnels). "
+            "The drafter stays here; a lost worker ends the server (systemd restarts it).",
+            env_example="127.0.0.1:50052,127.0.0.1:50053", to_config=_csv,
+            env_doc=("", "A model split over several boards (docs/cluster.md): the workers' forwarded ports (one",
+                     "edgerun-tunnel@HOST unit each) and, optionally, each one's share (+ this board's, last).")),
+    Setting("tensor_split", ("--tensor-split",), "EDGERUN_TENSOR_SPLIT",
+            "With --rpc: each worker device's share (e.g. 3,1), optionally one more (last) for this board.",
+            env_example="1,1", to_config=_csv),
     Setting("no_pull", ("--no-pull",), "EDGERUN_NO_PULL", "Fail instead of downloading a model that is not cached.",
             is_flag=True, env_example="1", field="pull", to_config=lambda no: not no,
             env_doc=("", "Where models and probe results are cached. The unit points this at its CacheDirectory",
