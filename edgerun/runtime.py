@@ -96,6 +96,7 @@ class Runtime:
         self._tuners: dict[str, GammaTuner] = {}
         self.last_stats: GenStats | None = None
         self.session_stats = GenStats()
+        self.group = None            # the BatchGroup of a slot (slots()): its decode loop runs batched
 
     @property
     def n_ctx(self) -> int:
@@ -183,8 +184,9 @@ class Runtime:
     def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
         rng = np.random.default_rng(sampling.seed)
         try:
-            yield from generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
-                                drafter=self.drafter, policy=policy, rng=rng, stats=stats, constraint=constraint)
+            steps = generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
+                             drafter=self.drafter, policy=policy, rng=rng, stats=stats, constraint=constraint)
+            yield from (steps if self.group is None else self.group.drive(steps))
         finally:
             self.last_stats = stats
             self.session_stats.merge(stats)
@@ -233,6 +235,44 @@ class Runtime:
                     out.finish_reason = "tool_calls"
         return out
 
+    # -- continuous batching ------------------------------------------------------------------
+    @property
+    def parallel(self) -> int:
+        """Sequences the target's context holds (BackendArgs.n_seq; 1 for one-sequence backends)."""
+        return getattr(self.target, "n_seq", 1)
+
+    def slots(self) -> list["Runtime"]:
+        """One Runtime per sequence of a multi-sequence target (load(parallel=N)), sharing one BatchGroup:
+        run one generation on each from its own thread and their steps are evaluated together
+        (edgerun/backends/batch.py). Each has its own view of the caches, drafter state and gamma policy;
+        closing one closes nothing shared (close this Runtime for that)."""
+        import copy
+
+        from .backends.batch import BatchGroup
+        from .spec.drafters import ModelDrafter
+
+        n = self.parallel
+        draft_be = self.drafter.backend if isinstance(self.drafter, ModelDrafter) else None
+        if draft_be is not None and getattr(draft_be, "n_seq", 1) != n:
+            raise InvalidArgument(f"the drafter's context holds {getattr(draft_be, 'n_seq', 1)} sequences but the "
+                                  f"target's {n}; load both with the same parallel")
+        group = BatchGroup([b for b in (draft_be, self.target) if b is not None])
+        out = []
+        for i in range(n):
+            drafter = None
+            if self.drafter is not None:
+                drafter = copy.copy(self.drafter)
+                if draft_be is not None:
+                    drafter.backend = group.view(draft_be, i)
+                drafter.reset()
+            policy = self.policy.fresh(seed=i) if isinstance(self.policy, GammaTuner) else self.policy
+            slot = Runtime(group.view(self.target, i), model_name=self.model_name, drafter=drafter,
+                           draft_name=self.draft_name, profile=self.profile, spec=self.spec, policy=policy,
+                           sampling=self.sampling, tuner_store=self.tuner_store)
+            slot.group = group
+            out.append(slot)
+        return out
+
     def reset(self) -> None:
         """Forget the cached conversation (KV caches of target and drafter)."""
         self.target.truncate(0)
@@ -254,11 +294,14 @@ class Runtime:
 def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile: str = "auto", *,
          n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
          flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
-         pull: bool = True, progress=None, sampling: SamplingArgs | None = None) -> Runtime:
+         pull: bool = True, progress=None, sampling: SamplingArgs | None = None, parallel: int | None = 1) -> Runtime:
     """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
 
     draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
     profile: 'auto' (detect the device), a profile name, or a YAML path.
+    parallel: sequences the llama.cpp contexts hold for continuous batching (Runtime.slots), None for the
+    profile's; each gets n_ctx positions of KV cache, and the memory check counts them all. An ONNX
+    target keeps one.
     """
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
@@ -274,7 +317,15 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     spec = SpeculativeArgs(gamma=parse_gamma(gamma),
                            **{k: v for k, v in dict(gamma_max=gamma_max, p_min=p_min).items() if v is not None})
 
+    if parallel is None:
+        parallel = prof.llama.parallel
+    if not isinstance(parallel, int) or not 1 <= parallel <= 64:
+        raise InvalidArgument(f"parallel must be an integer in 1..64 (sequences served at once), got {parallel!r}")
     target_path = Path(resolve_model(str(model), pull=pull, progress=progress))
+    if parallel != 1 and target_path.is_dir():
+        log.info("the ONNX backend holds one sequence: serving one generation at a time (parallel 1)")
+        parallel = 1
+    args = replace(args, n_seq=parallel)
     if draft == "auto":
         draft = default_draft_for(str(model))
     draft_path = None
@@ -283,7 +334,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
     check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
-                              kv_bytes=kv_bytes + draft_kv, n_ctx=args.n_ctx)
+                     kv_bytes=(kv_bytes + draft_kv) * parallel, n_ctx=args.n_ctx)
 
     target = open_backend(target_path, args)
     try:

@@ -304,6 +304,7 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
 
         opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
                 if v is not None}
+        opts["parallel"] = config.parallel          # None: the device profile's
         opts.update(config.load_opts)
         return load_runtime(config.model, draft=config.draft, profile=config.profile, pull=config.pull, **opts)
     return load
