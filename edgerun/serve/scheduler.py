@@ -129,6 +129,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []               # jobs the slots run, in the order they started
         self.n_slots = 1                            # generations that run at once (the Runtime's parallel)
+        self.slots: list[Any] = []                  # the Runtime of each slot (the Runtime itself for one)
         self._draining = False
         self._stopping = False
         self._step_started: dict[int, float] = {}   # slot -> monotonic time its current blocking step began
@@ -269,6 +270,7 @@ class Scheduler:
             runtime.close()
             return
         self.n_slots = len(slots)
+        self.slots = slots
         self.runtime = runtime
         self.ready.set()
         if self._on_ready is not None:
@@ -300,14 +302,14 @@ class Scheduler:
             t0 = time.monotonic()
             try:
                 result = self._run(runtime, job, slot)
+                if result.started:
+                    self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
+                if self._on_result is not None:
+                    self._on_result(result)
+                job._emit("end", result)
             finally:
-                with self._cond:
+                with self._cond:               # the slot is free once its job's end is recorded
                     self._running.remove(job)
-            if result.started:
-                self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
-            if self._on_result is not None:
-                self._on_result(result)
-            job._emit("end", result)
 
     def _run(self, runtime: Any, job: Job, slot: int = 0) -> JobResult:
         now = time.monotonic()
