@@ -17,7 +17,7 @@ from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, 
     special_tag_ids, tool_grammar
 from .errors import ContextOverflow, InvalidArgument
 from .generate import GenStats, Step, generate
-from .spec.gamma import FixedGamma, GammaPolicy, GammaTuner
+from .spec.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .spec.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,11 @@ class Runtime:
     def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
         rng = np.random.default_rng(sampling.seed)
         try:
+            batched = self.group is not None and isinstance(policy, GammaTuner)
+            # in a batch of several sequences, drafts only where they still pay (spec/gamma.py)
+            run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
             steps = generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
-                             drafter=self.drafter, policy=policy, rng=rng, stats=stats, constraint=constraint)
+                             drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
             yield from (steps if self.group is None else self.group.drive(steps))
         finally:
             self.last_stats = stats
@@ -342,7 +345,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
                                backend_args=args, spec_args=spec, pull=pull)
         policy, store = None, None
         if drafter is not None and spec.gamma is None:
-            policy = GammaTuner.for_runtime(prof, target, drafter, spec)
+            policy = GammaTuner.for_runtime(prof, target, drafter, spec, parallel=parallel)
             store = TunerStore.for_pair(target, drafter)
         return Runtime(target, model_name=str(model), drafter=drafter,
                        draft_name=None if draft in (None, "none") else str(draft), profile=prof, spec=spec,

@@ -2,10 +2,12 @@
 
 Logits are requested only for the positions asked for (never an n_ctx x n_vocab array), and
 rollback is llama_memory_seq_rm on the sequence. A context made with BackendArgs.n_seq > 1 holds that
-many sequences (llama.cpp sequence ids 0..n_seq-1) in one unified KV cache of n_seq x n_ctx cells, each
-sequence limited to n_ctx positions; `eval_rows` evaluates rows of several sequences in one
-llama_decode (continuous batching, edgerun/backends/batch.py). The Backend protocol methods (eval,
-truncate, tokens) are sequence 0's.
+many sequences (llama.cpp sequence ids 0..n_seq-1), each with its own KV stream of n_ctx cells
+(kv_unified off: a sequence's cells stay in position order whatever the others do, so its attention
+sums in the same order as alone; with one unified cache, greedy output differed from alone in 2 of 4
+runs, docs/batching.md); `eval_rows` evaluates rows of several sequences in one llama_decode
+(continuous batching, edgerun/backends/batch.py). The Backend protocol methods (eval, truncate,
+tokens) are sequence 0's.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class LlamaCppBackend:
         cp.n_batch = min(args.n_batch, n_ctx)
         cp.n_ubatch = cp.n_batch
         cp.n_seq_max = self.n_seq
-        # several sequences share one cache: each may take any free cell, one ubatch may mix them
-        cp.kv_unified = self.n_seq > 1
+        # one KV stream per sequence (n_ctx cells each): batched attention sums as the sequence's own would
+        cp.kv_unified = False
         cp.n_threads = self.n_threads
         cp.n_threads_batch = self.n_threads
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if args.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
