@@ -87,16 +87,15 @@ class BatchGroup:
         with self._cond:
             self._active += active
             self._running += running
-            if running < 0:
-                self._cond.notify_all()          # the others may all be waiting for this one
+            if self._running == 0 and running < 0:
+                self._cond.notify_all()          # the others all wait for an eval: one of them runs it
 
     # -- called by SeqBackend ------------------------------------------------------------------
     def eval(self, backend, seq: int, tokens: list[int], k: int) -> np.ndarray:
         req = _Request(backend, seq, tokens, k)
         with self._cond:
             self._pending[id(backend)].append(req)
-            self._running -= 1
-            self._cond.notify_all()
+            self._running -= 1          # the last member to post evaluates the batch itself (no wake-up)
             while not req.done:
                 if self._running == 0 and not self._executing:
                     self._execute()
