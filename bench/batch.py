@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import socket
 import subprocess
 import sys

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..backends.base import common_prefix
 from ..errors import EdgerunError, InvalidArgument
 from ..generate import GenStats
 
@@ -133,6 +134,8 @@ class Scheduler:
         self._draining = False
         self._stopping = False
         self._step_started: dict[int, float] = {}   # slot -> monotonic time its current blocking step began
+        self._idle: set[int] = set()                # slots waiting for a job
+        self._handoff: dict[int, tuple] = {}        # slot -> (job, prepared prompt) another slot passed it
         self._mean_job_s = 5.0                      # running mean of job durations, for Retry-After
         self.runtime: Any = None
         self.ready = threading.Event()
@@ -293,15 +296,25 @@ class Scheduler:
         """One slot: take the oldest waiting job, run it, repeat until the server stops."""
         while True:
             with self._cond:
-                while not self._waiting and not self._stopping:
+                self._idle.add(slot)
+                while not self._waiting and self._handoff.get(slot) is None and not self._stopping:
                     self._cond.wait()
-                if self._stopping:
+                self._idle.discard(slot)
+                handed = self._handoff.pop(slot, None)
+                if handed is None and self._stopping:
                     break
-                job = self._waiting.popleft()
-                self._running.append(job)
+                if handed is not None:
+                    job, prepared = handed
+                else:
+                    job, prepared = self._waiting.popleft(), None
+                    self._running.append(job)
+            if handed is None:
+                target, prepared = self._affinity(slot, runtime, job)
+                if target != slot:
+                    continue                    # handed to the slot that holds the prompt's prefix
             t0 = time.monotonic()
             try:
-                result = self._run(runtime, job, slot)
+                result = self._run(runtime, job, slot, prepared)
                 if result.started:
                     self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
                 if self._on_result is not None:
@@ -311,7 +324,48 @@ class Scheduler:
                 with self._cond:               # the slot is free once its job's end is recorded
                     self._running.remove(job)
 
-    def _run(self, runtime: Any, job: Job, slot: int = 0) -> JobResult:
+    @staticmethod
+    def _prepare(runtime: Any, job: Job) -> tuple[list[int], Any]:
+        """The job's prompt tokens and constraint (InvalidArgument etc. on bad input)."""
+        constraint = None
+        if job.messages is not None:
+            plan = runtime.plan_chat(job.messages, **job.structure)
+            prompt_tokens, constraint = plan.prompt_tokens, plan.constraint
+        elif job.prompt_tokens is not None:
+            prompt_tokens = job.prompt_tokens
+            n_vocab = runtime.tokenizer.n_vocab
+            bad = next((t for t in prompt_tokens if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
+        else:
+            prompt_tokens = runtime.tokenize(job.prompt)
+        if job.messages is None and job.structure:
+            constraint = runtime.constraint(**job.structure)
+        return prompt_tokens, constraint
+
+    def _affinity(self, slot: int, runtime: Any, job: Job) -> tuple[int, Any]:
+        """(the slot to run the job on, its prepared prompt or None): the idle slot whose cache holds the
+        longest prefix of the prompt (a conversation's next turn finds its history), this one on ties."""
+        if len(self.slots) == 1:
+            return slot, None
+        try:
+            prepared = self._prepare(runtime, job)
+        except Exception:                    # bad input: _run reports it
+            return slot, None
+        prompt = prepared[0]
+        best, best_n = slot, common_prefix(self.slots[slot].target.tokens, prompt)
+        with self._cond:
+            for i in self._idle:
+                n = common_prefix(self.slots[i].target.tokens, prompt)
+                if n > best_n:
+                    best, best_n = i, n
+            if best != slot:
+                self._idle.discard(best)
+                self._handoff[best] = (job, prepared)
+                self._cond.notify_all()
+        return best, prepared
+
+    def _run(self, runtime: Any, job: Job, slot: int = 0, prepared: Any = None) -> JobResult:
         now = time.monotonic()
         res = JobResult(outcome="length", queue_wait_s=now - job.created)
         if job.stop_reason is not None:
@@ -323,20 +377,7 @@ class Scheduler:
         stream = None
         try:
             self._step_started[slot] = now
-            constraint = None
-            if job.messages is not None:
-                plan = runtime.plan_chat(job.messages, **job.structure)
-                prompt_tokens, constraint = plan.prompt_tokens, plan.constraint
-            elif job.prompt_tokens is not None:
-                prompt_tokens = job.prompt_tokens
-                n_vocab = runtime.tokenizer.n_vocab
-                bad = next((t for t in prompt_tokens if not 0 <= t < n_vocab), None)
-                if bad is not None:
-                    raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
-            else:
-                prompt_tokens = runtime.tokenize(job.prompt)
-            if job.messages is None and job.structure:
-                constraint = runtime.constraint(**job.structure)
+            prompt_tokens, constraint = prepared if prepared is not None else self._prepare(runtime, job)
             res.n_prompt_tokens = len(prompt_tokens)
             room = runtime.n_ctx - len(prompt_tokens)
             res.max_tokens = max(0, room if job.max_tokens is None else min(job.max_tokens, room))
