@@ -134,6 +134,10 @@ class LlamaCppBackend:
             if n_out:
                 # logits of the requested positions, in batch order: [n_out, n_vocab]
                 got = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+                if len(rows) == 1:              # one sequence: its rows in one copy
+                    outs[0][filled[0]:filled[0] + n_out] = got
+                    filled[0] += n_out
+                    continue
                 j = 0
                 for r, _, _, want in chunk:
                     if want:
