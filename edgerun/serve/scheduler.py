@@ -134,7 +134,8 @@ class Scheduler:
         self._draining = False
         self._stopping = False
         self._step_started: dict[int, float] = {}   # slot -> monotonic time its current blocking step began
-        self._idle: set[int] = set()                # slots waiting for a job
+        self._idle: set[int] = set()                # slots without a job (running or handed to them)
+        self._dispatch = threading.Lock()           # held by the slot taking and placing a job
         self._handoff: dict[int, tuple] = {}        # slot -> (job, prepared prompt) another slot passed it
         self._mean_job_s = 5.0                      # running mean of job durations, for Retry-After
         self.runtime: Any = None
@@ -274,6 +275,7 @@ class Scheduler:
             return
         self.n_slots = len(slots)
         self.slots = slots
+        self._idle = set(range(len(slots)))
         self.runtime = runtime
         self.ready.set()
         if self._on_ready is not None:
@@ -296,22 +298,27 @@ class Scheduler:
         """One slot: take the oldest waiting job, run it, repeat until the server stops."""
         while True:
             with self._cond:
-                self._idle.add(slot)
-                while not self._waiting and self._handoff.get(slot) is None and not self._stopping:
+                while not self._waiting and slot not in self._handoff and not self._stopping:
                     self._cond.wait()
-                self._idle.discard(slot)
-                handed = self._handoff.pop(slot, None)
-                if handed is None and self._stopping:
+                if slot not in self._handoff and self._stopping:
                     break
+            with self._dispatch:                # one slot at a time takes a job and places it
+                with self._cond:
+                    handed = self._handoff.pop(slot, None)
+                    if handed is None:
+                        if not self._waiting:
+                            continue            # another slot took it
+                        job = self._waiting.popleft()
+                        self._running.append(job)
+                    self._idle.discard(slot)
                 if handed is not None:
                     job, prepared = handed
                 else:
-                    job, prepared = self._waiting.popleft(), None
-                    self._running.append(job)
-            if handed is None:
-                target, prepared = self._affinity(slot, runtime, job)
-                if target != slot:
-                    continue                    # handed to the slot that holds the prompt's prefix
+                    target, prepared = self._affinity(slot, runtime, job)
+                    if target != slot:          # handed to the slot that holds the prompt's prefix
+                        with self._cond:
+                            self._idle.add(slot)
+                        continue
             t0 = time.monotonic()
             try:
                 result = self._run(runtime, job, slot, prepared)
@@ -323,6 +330,7 @@ class Scheduler:
             finally:
                 with self._cond:               # the slot is free once its job's end is recorded
                     self._running.remove(job)
+                    self._idle.add(slot)
 
     @staticmethod
     def _prepare(runtime: Any, job: Job) -> tuple[list[int], Any]:
@@ -344,8 +352,9 @@ class Scheduler:
         return prompt_tokens, constraint
 
     def _affinity(self, slot: int, runtime: Any, job: Job) -> tuple[int, Any]:
-        """(the slot to run the job on, its prepared prompt or None): the idle slot whose cache holds the
-        longest prefix of the prompt (a conversation's next turn finds its history), this one on ties."""
+        """(the slot to run the job on, its prepared prompt or None): of this slot and the free ones, the one
+        whose cache holds the longest prefix of the prompt (a conversation's next turn finds its history),
+        this one on ties. Called with the dispatch lock held."""
         if len(self.slots) == 1:
             return slot, None
         try:
