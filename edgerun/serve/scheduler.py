@@ -3,8 +3,9 @@
 The worker thread loads the models itself (the HTTP socket is already serving /health meanwhile). A
 Runtime loaded with parallel 1 serves one generation at a time on that thread, as it always did. With
 parallel N (continuous batching) it runs N slot threads, one per sequence of the shared contexts
-(Runtime.slots): a free slot takes the oldest waiting job as soon as its previous one ends, and the
-slots' decode steps are evaluated together (edgerun/backends/batch.py). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
+(Runtime.slots): a free slot takes the oldest waiting job as soon as its previous one ends (and passes
+it to the free slot whose cache holds the longest prefix of its prompt), and the slots' decode steps are
+evaluated together (edgerun/backends/batch.py). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
 back to the asyncio event loop that submitted it. A job stops early when it is cancelled (client
 gone), when its deadline passes, or when the server drains for shutdown; stopping closes the
 Runtime's stream, whose `finally` rolls the KV caches back to the committed tokens.
