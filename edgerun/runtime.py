@@ -15,7 +15,7 @@ from .constrain.base import Constraint
 from .constrain.grammar import compile_constraint, grammar_from_options
 from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
     special_tag_ids, tool_grammar
-from .errors import ContextOverflow, InvalidArgument
+from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
 from .spec.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .spec.tuner_store import TunerStore, regime
@@ -336,8 +336,14 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
         draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))
     target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
-    check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
-                     kv_bytes=(kv_bytes + draft_kv) * parallel, n_ctx=args.n_ctx)
+    try:
+        check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
+                         kv_bytes=(kv_bytes + draft_kv) * parallel, n_ctx=args.n_ctx)
+    except MemoryBudgetError as e:
+        if parallel == 1:
+            raise
+        raise MemoryBudgetError(f"{e}; or fewer generation slots (--parallel {parallel} reserves {parallel} "
+                                f"KV caches of {args.n_ctx} positions)") from None
 
     target = open_backend(target_path, args)
     try:
