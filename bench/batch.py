@@ -118,19 +118,31 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return {"ttft": ttft, "tokens": usage if usage is not None else chunks}
 
 
+async def _batch_counters(client: httpx.AsyncClient) -> tuple[float, float]:
+    """edgerun's (batched evaluations, rows in them) so far; (0, 0) for a server without them."""
+    r = await client.get("/metrics")
+    text = r.text if r.status_code == 200 else ""
+    vals = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(("edgerun_batch_steps_total ", "edgerun_batch_rows_total "))}
+    return vals.get("edgerun_batch_steps_total", 0.0), vals.get("edgerun_batch_rows_total", 0.0)
+
+
 async def level(url: str, model: str, clients: int, rounds: int, max_tokens: int) -> dict:
     """`clients` concurrent clients, each sending `rounds` requests one after another."""
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        steps0, rows0 = await _batch_counters(client)
         async def one_client(c: int) -> list[dict]:
             return [await one_request(client, model, PROMPTS[(c * rounds + i) % len(PROMPTS)], max_tokens)
                     for i in range(rounds)]
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(one_client(c) for c in range(clients))) for r in rs]
         wall = time.perf_counter() - t0
+        steps1, rows1 = await _batch_counters(client)
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall, "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95)}
+            "tok_s": tokens / wall, "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
+            "rows_per_batch": (rows1 - rows0) / (steps1 - steps0) if steps1 > steps0 else None}
 
 
 def main() -> None:

@@ -592,6 +592,8 @@ def test_concurrent_requests_are_batched_and_each_equals_its_answer_alone(tiny_l
         assert [out[i].choices[0].text for i in range(4)] == alone
         group = srv.state.scheduler.slots[0].group
         assert group.n_rows > group.n_steps            # batches held rows of several sequences
+        assert _metric(srv.url, "edgerun_slots") == 4
+        assert _metric(srv.url, "edgerun_batch_rows_total") > _metric(srv.url, "edgerun_batch_steps_total") > 0
 
 
 def test_a_disconnect_mid_batch_frees_its_slot_and_leaves_the_others_untouched(tiny_llama):

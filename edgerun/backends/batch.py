@@ -26,6 +26,9 @@ import numpy as np
 from .base import check_eval
 
 
+YIELD_GRACE_S = 0.005     # how long a batch waits for a member whose consumer holds its last Step
+
+
 class _Request:
     __slots__ = ("backend", "seq", "tokens", "k", "out", "error", "done")
 
@@ -48,6 +51,7 @@ class BatchGroup:
         self._cond = threading.Condition()
         self._pending: dict[int, list[_Request]] = {id(b): [] for b in self.backends}
         self._running = 0              # members running Python (not waiting for an eval)
+        self._yielded = 0              # members whose consumer holds a Step (back in a moment, usually)
         self._active = 0               # members inside a generation
         self._executing = False
         self._engine = threading.Lock()    # held around every llama.cpp call on the shared contexts
@@ -63,8 +67,8 @@ class BatchGroup:
 
     def drive(self, steps: Iterator) -> Iterator:
         """Run a decode loop (a generator of Steps) as a member: while it runs Python the group's next
-        batch waits for its rows; while its consumer holds a Step (the loop is suspended) or once it
-        has ended, the others' batches go on without it."""
+        batch waits for its rows; while its consumer holds a Step (the loop is suspended) the batch
+        waits YIELD_GRACE_S for it, then goes on without it; once it has ended, without it."""
         self._change(active=1, running=1)
         try:
             while True:
@@ -72,21 +76,22 @@ class BatchGroup:
                     step = next(steps)
                 except StopIteration:
                     return
-                self._change(running=-1)
+                self._change(running=-1, yielded=1)
                 try:
                     yield step
                 finally:
-                    self._change(running=1)
+                    self._change(running=1, yielded=-1)
         finally:
             try:
                 steps.close()          # the loop's rollback (truncate) runs while this member counts
             finally:
                 self._change(active=-1, running=-1)
 
-    def _change(self, *, active: int = 0, running: int = 0) -> None:
+    def _change(self, *, active: int = 0, running: int = 0, yielded: int = 0) -> None:
         with self._cond:
             self._active += active
             self._running += running
+            self._yielded += yielded
             if self._running == 0 and running < 0:
                 self._cond.notify_all()          # the others all wait for an eval: one of them runs it
 
@@ -96,8 +101,16 @@ class BatchGroup:
         with self._cond:
             self._pending[id(backend)].append(req)
             self._running -= 1          # the last member to post evaluates the batch itself (no wake-up)
+            graced = False
             while not req.done:
                 if self._running == 0 and not self._executing:
+                    if self._yielded and not graced:
+                        # a member is handing its token to its consumer and is about to post its next
+                        # rows: give it a moment (it then evaluates the batch itself) rather than split
+                        # the batch; a consumer that holds its Step longer costs the others only this
+                        graced = True
+                        self._cond.wait(YIELD_GRACE_S)
+                        continue
                     self._execute()
                 else:
                     self._cond.wait()

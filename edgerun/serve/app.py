@@ -202,8 +202,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     @app.get("/metrics")
     async def metrics():
         sch = state.scheduler
+        group = getattr(sch.slots[0], "group", None) if sch.slots else None
         text = state.metrics.render(queue_depth=sch.depth, queue_limit=sch.queue_limit, busy=sch.busy,
-                                    ready=sch.ready.is_set() and not sch.draining)
+                                    ready=sch.ready.is_set() and not sch.draining, slots=sch.n_slots,
+                                    running=len(sch.running_jobs),
+                                    batch=(group.n_steps, group.n_rows) if group is not None else (0, 0))
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
