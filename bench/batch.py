@@ -189,18 +189,19 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
-          "llama-server TTFT p50 / p95 s |")
-    print("|---|---|---|---|---|---|---|")
+          "llama-server TTFT p50 / p95 s | edgerun rows per batch |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, cfg in report["configs"].items():
         for row in cfg["levels"]:
             e, ls = row["edgerun"], row["llama-server"]
             print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {e['tok_s'] / ls['tok_s']:.2f} | "
-                  f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} |")
+                  f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
+                  f"{e['rows_per_batch'] or 0:.2f} |")
         p1 = cfg["levels"][0].get("edgerun-p1")
         if p1:
             e = cfg["levels"][0]["edgerun"]
             print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {e['tok_s'] / p1['tok_s']:.2f}"
-                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | |")
+                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | |")
     print(f"\nwritten {out}")
 
 
