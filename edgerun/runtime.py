@@ -351,7 +351,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
                                backend_args=args, spec_args=spec, pull=pull)
         policy, store = None, None
         if drafter is not None and spec.gamma is None:
-            policy = GammaTuner.for_runtime(prof, target, drafter, spec, parallel=parallel)
+            policy = GammaTuner.for_runtime(prof, target, drafter, spec)
             store = TunerStore.for_pair(target, drafter)
         return Runtime(target, model_name=str(model), drafter=drafter,
                        draft_name=None if draft in (None, "none") else str(draft), profile=prof, spec=spec,

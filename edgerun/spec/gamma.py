@@ -156,14 +156,15 @@ class GammaTuner:
 
     # -- construction from a loaded runtime ---------------------------------------------------
     @classmethod
-    def for_runtime(cls, profile, target, drafter, spec, *, measure: bool = True, parallel: int = 1) -> "GammaTuner":
+    def for_runtime(cls, profile, target, drafter, spec, *, measure: bool = True) -> "GammaTuner":
         """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured),
-        one acceptance model per hint class the drafter reports. parallel > 1 (continuous batching):
-        the curve covers batches of parallel x (gamma_max + 1) rows (BatchedGamma reads it)."""
+        one acceptance model per hint class the drafter reports. The curve is measured up to gamma_max + 1
+        rows; BatchedGamma (continuous batching) reads it further, extended linearly from its last points
+        (CostCurve.verify): probing every batch size up to 36 rows took over two minutes at start-up."""
         from ..device.costprobe import cost_curve_for
 
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
-        curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=max(1, parallel) * (gmax + 1))
+        curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=gmax + 1)
         return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)))
 
     def fresh(self, seed: int = 0) -> "GammaTuner":
