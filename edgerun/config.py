@@ -84,6 +84,7 @@ class BackendArgs:
     n_ctx: int = 4096
     n_threads: int | None = None      # None: physical cores
     n_batch: int = 512
+    n_seq: int = 1                    # sequences one context holds (continuous batching; llama.cpp only)
     n_gpu_layers: int = 0
     flash_attn: bool = True
     use_mmap: bool = True
@@ -97,6 +98,8 @@ class BackendArgs:
                f"n_threads must be an integer in 1..{cap} ({THREADS_PER_CPU} per logical CPU here), "
                f"got {self.n_threads!r}")
         _check(isinstance(self.n_batch, int) and self.n_batch >= 1, f"n_batch must be >= 1, got {self.n_batch!r}")
+        _check(isinstance(self.n_seq, int) and 1 <= self.n_seq <= 64,
+               f"n_seq (parallel sequences) must be an integer in 1..64, got {self.n_seq!r}")
 
 
 @dataclass(frozen=True)

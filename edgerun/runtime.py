@@ -15,9 +15,9 @@ from .constrain.base import Constraint
 from .constrain.grammar import compile_constraint, grammar_from_options
 from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
     special_tag_ids, tool_grammar
-from .errors import ContextOverflow, InvalidArgument
+from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
-from .spec.gamma import FixedGamma, GammaPolicy, GammaTuner
+from .spec.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .spec.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class Runtime:
         self._tuners: dict[str, GammaTuner] = {}
         self.last_stats: GenStats | None = None
         self.session_stats = GenStats()
+        self.group = None            # the BatchGroup of a slot (slots()): its decode loop runs batched
 
     @property
     def n_ctx(self) -> int:
@@ -184,8 +185,12 @@ class Runtime:
     def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
         rng = np.random.default_rng(sampling.seed)
         try:
-            yield from generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
-                                drafter=self.drafter, policy=policy, rng=rng, stats=stats, constraint=constraint)
+            batched = self.group is not None and isinstance(policy, GammaTuner)
+            # in a batch of several sequences, drafts only where they still pay (spec/gamma.py)
+            run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
+            steps = generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
+                             drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
+            yield from (steps if self.group is None else self.group.drive(steps))
         finally:
             self.last_stats = stats
             self.session_stats.merge(stats)
@@ -234,6 +239,44 @@ class Runtime:
                     out.finish_reason = "tool_calls"
         return out
 
+    # -- continuous batching ------------------------------------------------------------------
+    @property
+    def parallel(self) -> int:
+        """Sequences the target's context holds (BackendArgs.n_seq; 1 for one-sequence backends)."""
+        return getattr(self.target, "n_seq", 1)
+
+    def slots(self) -> list["Runtime"]:
+        """One Runtime per sequence of a multi-sequence target (load(parallel=N)), sharing one BatchGroup:
+        run one generation on each from its own thread and their steps are evaluated together
+        (edgerun/backends/batch.py). Each has its own view of the caches, drafter state and gamma policy;
+        closing one closes nothing shared (close this Runtime for that)."""
+        import copy
+
+        from .backends.batch import BatchGroup
+        from .spec.drafters import ModelDrafter
+
+        n = self.parallel
+        draft_be = self.drafter.backend if isinstance(self.drafter, ModelDrafter) else None
+        if draft_be is not None and getattr(draft_be, "n_seq", 1) != n:
+            raise InvalidArgument(f"the drafter's context holds {getattr(draft_be, 'n_seq', 1)} sequences but the "
+                                  f"target's {n}; load both with the same parallel")
+        group = BatchGroup([b for b in (draft_be, self.target) if b is not None])
+        out = []
+        for i in range(n):
+            drafter = None
+            if self.drafter is not None:
+                drafter = copy.copy(self.drafter)
+                if draft_be is not None:
+                    drafter.backend = group.view(draft_be, i)
+                drafter.reset()
+            policy = self.policy.fresh(seed=i) if isinstance(self.policy, GammaTuner) else self.policy
+            slot = Runtime(group.view(self.target, i), model_name=self.model_name, drafter=drafter,
+                           draft_name=self.draft_name, profile=self.profile, spec=self.spec, policy=policy,
+                           sampling=self.sampling, tuner_store=self.tuner_store)
+            slot.group = group
+            out.append(slot)
+        return out
+
     def reset(self) -> None:
         """Forget the cached conversation (KV caches of target and drafter)."""
         self.target.truncate(0)
@@ -256,7 +299,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
          n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
          flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
          pull: bool = True, progress=None, sampling: SamplingArgs | None = None, rpc=None,
-         tensor_split=None, on_lost_worker=None) -> Runtime:
+         tensor_split=None, on_lost_worker=None, parallel: int | None = 1) -> Runtime:
     """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
 
     draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
@@ -266,6 +309,9 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     one more (last) for this machine; default: by the workers' free memory. A worker lost later ends the
     process (llama.cpp cannot continue): on_lost_worker(endpoints, ggml's message) is called first (default: one `error:`
     line on stderr, exit status 2).
+    parallel: sequences the llama.cpp contexts hold for continuous batching (Runtime.slots), None for the
+    profile's; each gets n_ctx positions of KV cache, and the memory check counts them all. An ONNX
+    target keeps one.
     """
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
@@ -281,7 +327,15 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     spec = SpeculativeArgs(gamma=parse_gamma(gamma),
                            **{k: v for k, v in dict(gamma_max=gamma_max, p_min=p_min).items() if v is not None})
 
+    if parallel is None:
+        parallel = prof.llama.parallel
+    if not isinstance(parallel, int) or not 1 <= parallel <= 64:
+        raise InvalidArgument(f"parallel must be an integer in 1..64 (sequences served at once), got {parallel!r}")
     target_path = Path(resolve_model(str(model), pull=pull, progress=progress))
+    if parallel != 1 and target_path.is_dir():
+        log.info("the ONNX backend holds one sequence: serving one generation at a time (parallel 1)")
+        parallel = 1
+    args = replace(args, n_seq=parallel)
     if draft == "auto":
         draft = default_draft_for(str(model))
     draft_path = None
@@ -295,10 +349,16 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
 
         if not rpc:
             raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
-        cluster = plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes, n_gpu_layers=n_gpu_layers)
-        target_bytes, kv_bytes = cluster.placement.head_bytes, cluster.placement.head_kv
-    check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
-                              kv_bytes=kv_bytes + draft_kv, n_ctx=args.n_ctx)
+        cluster = plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes * parallel, n_gpu_layers=n_gpu_layers)
+        target_bytes, kv_bytes = cluster.placement.head_bytes, cluster.placement.head_kv // parallel
+    try:
+        check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
+                         kv_bytes=(kv_bytes + draft_kv) * parallel, n_ctx=args.n_ctx)
+    except MemoryBudgetError as e:
+        if parallel == 1:
+            raise
+        raise MemoryBudgetError(f"{e}; or fewer generation slots (--parallel {parallel} reserves {parallel} "
+                                f"KV caches of {args.n_ctx} positions)") from None
 
     if cluster is not None:
         cluster.attach(on_lost_worker)

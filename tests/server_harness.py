@@ -140,18 +140,27 @@ class GatedRuntime:
     """A real Runtime whose generations wait at `gate` before their first token and, when `meter`
     is set, take one permit of it before each further token.
 
-    Lets a test hold the single generation slot, or pause a stream mid-way, for as long as it likes;
-    everything else (tokenizer, decode loop, caches, rollback) is the real Runtime's."""
+    Lets a test hold the generation slots, or pause a stream mid-way, for as long as it likes;
+    everything else (tokenizer, decode loop, caches, rollback, batching) is the real Runtime's. With a
+    Runtime loaded with parallel N, `slots()` gives N gated slots that share this one's gate, meter
+    and records."""
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, parent: "GatedRuntime | None" = None) -> None:
         self._rt = runtime
-        self.gate = threading.Event()
-        self.meter: threading.Semaphore | None = None
-        self.entered = threading.Semaphore(0)      # released once per generation reaching the gate
-        self.started: list[list[int]] = []         # prompt tokens of each generation, in start order
+        self._parent = parent
+        if parent is None:
+            self.gate = threading.Event()
+            self.meter: threading.Semaphore | None = None
+            self.entered = threading.Semaphore(0)      # released once per generation reaching the gate
+            self.started: list[list[int]] = []         # prompt tokens of each generation, in start order
 
     def __getattr__(self, name):
+        if name in ("gate", "meter", "entered", "started") and self._parent is not None:
+            return getattr(self._parent, name)
         return getattr(self._rt, name)
+
+    def slots(self) -> list["GatedRuntime"]:
+        return [GatedRuntime(slot, parent=self) for slot in self._rt.slots()]
 
     def stream_tokens(self, prompt_tokens, **kw):
         inner = self._rt.stream_tokens(prompt_tokens, **kw)   # argument errors raise here, as in the Runtime

@@ -25,14 +25,16 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 CTX = 256
 MSGS = [{"role": "user", "content": "Hello there"}]
 ERROR_KEYS = {"message", "type", "param", "code"}
+# generation slots (continuous batching): every server test runs with one and with four
+PARALLEL = pytest.mark.parametrize("parallel", [1, 4], ids=["parallel1", "parallel4"])
 
 
 # --- the server as users run it: a subprocess -----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--api-key", KEY, "--max-body", "64", "--queue", "4"],
-                        env=clean_env(tmp_path_factory.mktemp("home")))
+@pytest.fixture(scope="module", params=[1, 4], ids=["parallel1", "parallel4"])
+def server(tiny_llama, tmp_path_factory, request):
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--api-key", KEY, "--max-body", "64", "--queue", "4",
+                         "--parallel", request.param], env=clean_env(tmp_path_factory.mktemp("home")))
     srv.wait_ready()
     yield srv
     assert srv.terminate() == 0, srv.output
@@ -340,11 +342,12 @@ def test_still_serving_after_the_bad_inputs(server, http, model):
 
 # --- concurrency on an in-process server (the real Runtime, held at a gate) -------------------------
 
-def _loader(tiny_llama, holder: dict, load_gate: threading.Event | None = None):
+def _loader(tiny_llama, holder: dict, load_gate: threading.Event | None = None, parallel: int = 1):
     def load_gated():
         if load_gate is not None:
             assert load_gate.wait(60), "load gate never opened"
-        rt = GatedRuntime(load(str(tiny_llama), draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1))
+        rt = GatedRuntime(load(str(tiny_llama), draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1,
+                               parallel=parallel))
         rt.gate.set()
         holder["rt"] = rt
         return rt
@@ -377,9 +380,10 @@ def _metric(url: str, line_prefix: str) -> float:
     return 0.0
 
 
-def test_health_is_not_ready_until_the_model_is_loaded(tiny_llama):
+@PARALLEL
+def test_health_is_not_ready_until_the_model_is_loaded(tiny_llama, parallel):
     holder, load_gate = {}, threading.Event()
-    with InProcessServer(ServerConfig(model=str(tiny_llama)), _loader(tiny_llama, holder, load_gate)) as srv:
+    with InProcessServer(ServerConfig(model=str(tiny_llama)), _loader(tiny_llama, holder, load_gate, parallel)) as srv:
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "loading" and int(r.headers["retry-after"]) > 0
         r = httpx.post(srv.url + CHAT, json={"model": str(tiny_llama), "messages": MSGS})
@@ -391,20 +395,36 @@ def test_health_is_not_ready_until_the_model_is_loaded(tiny_llama):
         assert r.status_code == 200, r.text
 
 
-def test_queue_is_fifo_and_rejects_past_its_bound(tiny_llama):
+def _hold(srv, rt, model: str, n: int, out: dict, max_tokens: int = 6) -> list[threading.Thread]:
+    """Fill the n generation slots with requests held at the gate ("h0", "h1", ... in `out`)."""
+    threads = []
+    for i in range(n):
+        threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": f"held {i}",
+                                                        "max_tokens": max_tokens}, out, f"h{i}"))
+        assert rt.entered.acquire(timeout=30)                      # running, held at the gate
+    return threads
+
+
+@PARALLEL
+def test_queue_is_fifo_and_rejects_past_its_bound(tiny_llama, parallel):
     holder, out = {}, {}
     model = str(tiny_llama)
-    with InProcessServer(ServerConfig(model=model, queue=2), _loader(tiny_llama, holder)) as srv:
+    with InProcessServer(ServerConfig(model=model, queue=2), _loader(tiny_llama, holder, parallel=parallel)) as srv:
         wait_until(lambda: "rt" in holder, what="load")
         rt, sch = holder["rt"], srv.state.scheduler
+        wait_until(sch.ready.is_set, what="ready")
+        assert sch.n_slots == parallel
         rt.gate.clear()
         prompts = {"a": "one two", "b": "three four", "c": "five six"}
-        threads = [_post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts["a"], "max_tokens": 6}, out, "a")]
+        threads = _hold(srv, rt, model, parallel - 1, out)          # the other slots are taken too
+        threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts["a"], "max_tokens": 6},
+                                       out, "a"))
         assert rt.entered.acquire(timeout=30)                      # a is running, held at the gate
         for k in ("b", "c"):
             threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts[k], "max_tokens": 6},
                                            out, k))
             wait_until(lambda: sch.depth == ("bc".index(k) + 1), what=f"{k} queued")
+        assert [j.prompt for j in sch._waiting] == [prompts["b"], prompts["c"]]        # in arrival order
         r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "seven", "max_tokens": 6})
         assert_error(r, 503, "queue_full")
         assert int(r.headers["retry-after"]) >= 1
@@ -418,31 +438,37 @@ def test_queue_is_fifo_and_rejects_past_its_bound(tiny_llama):
         rt.gate.set()
         for t in threads:
             t.join(60)
-        for k in "abc":
+        for k in [*"abc", *(f"h{i}" for i in range(parallel - 1))]:
             body = out[k].json()
             assert out[k].status_code == 200, body
             assert body["choices"][0]["finish_reason"] in ("stop", "length")
             assert body["usage"]["completion_tokens"] <= 6
-        order = [next(k for k, p in prompts.items() if rt.tokenize(p) == toks) for toks in rt.started]
-        assert order == ["a", "b", "c"]
+        order = [next((k for k, p in prompts.items() if rt.tokenize(p) == toks), "held") for toks in rt.started]
+        assert order[:parallel] == ["held"] * (parallel - 1) + ["a"]
+        if parallel == 1:                   # one slot: b then c; several: both start as the held ones end
+            assert order == ["a", "b", "c"]
+        assert sorted(order[parallel:]) == ["b", "c"]
         assert _metric(srv.url, 'edgerun_requests_total{endpoint="/v1/completions",status="503"}') == 1
 
 
-def test_client_disconnect_cancels_its_generation_and_frees_the_slot(tiny_llama):
-    holder = {}
+@PARALLEL
+def test_client_disconnect_cancels_its_generation_and_frees_the_slot(tiny_llama, parallel):
+    holder, out = {}, {}
     model = str(tiny_llama)
     probe = {"model": model, "prompt": "the water is", "max_tokens": 12, "temperature": 0}
-    with InProcessServer(ServerConfig(model=model, queue=2), _loader(tiny_llama, holder)) as srv:
+    with InProcessServer(ServerConfig(model=model, queue=2), _loader(tiny_llama, holder, parallel=parallel)) as srv:
         wait_until(lambda: "rt" in holder, what="load")
         rt, sch = holder["rt"], srv.state.scheduler
         first = httpx.post(srv.url + COMPL, json=probe).json()
         before, before_tokens = first["choices"][0]["text"], first["usage"]["completion_tokens"]
+        assert rt.entered.acquire(timeout=30)          # the probe's: from here on one release per held request
 
         # a queued request whose client goes away leaves the queue at once
         rt.gate.clear()
         running = _raw_request(srv.url, COMPL, {"model": model, "prompt": "held", "max_tokens": 50, "stream": True,
                                                 "temperature": 0})
         assert rt.entered.acquire(timeout=30)
+        fillers = _hold(srv, rt, model, parallel - 1, out, max_tokens=1)   # one token each, then they end
         queued = _raw_request(srv.url, CHAT, {"model": model, "messages": MSGS, "max_tokens": 50})
         wait_until(lambda: sch.depth == 1, what="queued")
         queued.close()
@@ -462,41 +488,50 @@ def test_client_disconnect_cancels_its_generation_and_frees_the_slot(tiny_llama)
         rt.meter.release(1)
         wait_until(lambda: not sch.busy, what="the worker to stop")
         rt.meter = None
+        for t in fillers:
+            t.join(60)
+        assert all(out[f"h{i}"].status_code == 200 for i in range(parallel - 1))
         assert _metric(srv.url, 'edgerun_generations_total{outcome="cancelled"}') == 2
         # the 50-token stream was cut after its 4th token (the first three, then one more permit)
-        assert _metric(srv.url, "edgerun_tokens_generated_total") == before_tokens + 4
+        assert _metric(srv.url, "edgerun_tokens_generated_total") == before_tokens + 4 + (parallel - 1)
 
         # the caches were rolled back: the same greedy request gives the same text
         after = httpx.post(srv.url + COMPL, json=probe).json()["choices"][0]["text"]
         assert after == before
 
 
-def test_time_limit_ends_running_and_queued_requests(tiny_llama):
+@PARALLEL
+def test_time_limit_ends_running_and_queued_requests(tiny_llama, parallel):
     holder, out = {}, {}
     model = str(tiny_llama)
-    with InProcessServer(ServerConfig(model=model, queue=2, timeout_s=0.5), _loader(tiny_llama, holder)) as srv:
+    with InProcessServer(ServerConfig(model=model, queue=2, timeout_s=0.5),
+                         _loader(tiny_llama, holder, parallel=parallel)) as srv:
         wait_until(lambda: "rt" in holder, what="load")
         rt = holder["rt"]
         rt.gate.clear()
         t = _post_in_thread(srv.url, COMPL, {"model": model, "prompt": "slow one", "max_tokens": 20,
                                              "temperature": 0}, out, "a")
         assert rt.entered.acquire(timeout=30)
+        others = _hold(srv, rt, model, parallel - 1, out, max_tokens=20)
         r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "waits", "max_tokens": 5}, timeout=60)
         assert_error(r, 503, "queue_timeout")            # waited its whole limit behind the held request
         rt.gate.set()
-        t.join(60)
-        body = out["a"].json()
-        assert out["a"].status_code == 200, body
-        assert body["choices"][0]["finish_reason"] == "length" and body["edgerun"]["finish"] == "time_limit"
-        assert body["usage"]["completion_tokens"] == 1     # stopped after the first token it produced
-        assert _metric(srv.url, 'edgerun_generations_total{outcome="timeout"}') == 2
+        for t in [t, *others]:
+            t.join(60)
+        for k in ["a", *(f"h{i}" for i in range(parallel - 1))]:
+            body = out[k].json()
+            assert out[k].status_code == 200, body
+            assert body["choices"][0]["finish_reason"] == "length" and body["edgerun"]["finish"] == "time_limit"
+            assert body["usage"]["completion_tokens"] == 1     # stopped after the first token it produced
+        assert _metric(srv.url, 'edgerun_generations_total{outcome="timeout"}') == 1 + parallel
 
 
-def test_server_output_equals_the_offline_runtime(tiny_llama):
+@PARALLEL
+def test_server_output_equals_the_offline_runtime(tiny_llama, parallel):
     model = str(tiny_llama)
     with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
         offline = rt.generate("the quick brown fox", max_tokens=20, temperature=0)
-    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, {})) as srv:
+    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, {}, parallel=parallel)) as srv:
         wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
         body = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "the quick brown fox", "max_tokens": 20,
                                                  "temperature": 0}, timeout=60).json()
@@ -505,13 +540,15 @@ def test_server_output_equals_the_offline_runtime(tiny_llama):
     assert body["edgerun"]["finish"] == offline.finish_reason
 
 
-def test_speculative_stats_reach_the_response_and_metrics(tiny_llama):
+@PARALLEL
+def test_speculative_stats_reach_the_response_and_metrics(tiny_llama, parallel):
     """With a drafter (prompt lookup, gamma 2) the server reports drafted/accepted tokens and gamma,
     and greedy speculative output is the same streamed or not."""
     model = str(tiny_llama)
 
     def load_spec():
-        return load(model, draft="lookup", gamma=2, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1)
+        return load(model, draft="lookup", gamma=2, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1,
+                    parallel=parallel)
 
     body = {"model": model, "prompt": "one two three one two three one two three one two", "max_tokens": 24,
             "temperature": 0}
@@ -527,6 +564,96 @@ def test_speculative_stats_reach_the_response_and_metrics(tiny_llama):
         assert _metric(srv.url, "edgerun_draft_tokens_total") >= ext["n_drafted"]
         assert _metric(srv.url, "edgerun_gamma") == pytest.approx(ext["gamma_mean"], abs=1e-5)
         assert 0 < ext["gamma_mean"] <= 2
+
+
+def test_concurrent_requests_are_batched_and_each_equals_its_answer_alone(tiny_llama):
+    """Four clients at once (the official openai client, one thread each) on four slots: each greedy answer
+    is the one the offline runtime gives alone, and the batches held several sequences' rows."""
+    model = str(tiny_llama)
+    prompts = ["the quick brown fox", "one two three", "hello there", "a b c d"]
+    with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
+        alone = [rt.generate(p, max_tokens=24, temperature=0).text for p in prompts]
+    holder, out = {}, {}
+    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, holder, parallel=4)) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        holder["rt"].gate.clear()                      # all four start together
+
+        def ask(i):
+            out[i] = client.completions.create(model=model, prompt=prompts[i], max_tokens=24, temperature=0)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for _ in range(4):
+            assert holder["rt"].entered.acquire(timeout=30)
+        holder["rt"].gate.set()
+        for t in threads:
+            t.join(60)
+        assert [out[i].choices[0].text for i in range(4)] == alone
+        group = srv.state.scheduler.slots[0].group
+        assert group.n_rows > group.n_steps            # batches held rows of several sequences
+        assert _metric(srv.url, "edgerun_slots") == 4
+        assert _metric(srv.url, "edgerun_batch_rows_total") > _metric(srv.url, "edgerun_batch_steps_total") > 0
+
+
+def test_a_disconnect_mid_batch_frees_its_slot_and_leaves_the_others_untouched(tiny_llama):
+    model = str(tiny_llama)
+    body = {"model": model, "max_tokens": 30, "temperature": 0}
+    with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
+        alone = {p: rt.generate(p, max_tokens=30, temperature=0).text for p in ("stays", "comes later")}
+    holder, out = {}, {}
+    with InProcessServer(ServerConfig(model=model, queue=0), _loader(tiny_llama, holder, parallel=2)) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        rt, sch = holder["rt"], srv.state.scheduler
+        rt.gate.clear()
+        rt.meter = threading.Semaphore(0)              # each token after the first waits for a permit
+        leaving = _raw_request(srv.url, COMPL, {**body, "prompt": "goes away", "stream": True})
+        assert rt.entered.acquire(timeout=30)
+        staying = _post_in_thread(srv.url, COMPL, {**body, "prompt": "stays"}, out, "stays")
+        assert rt.entered.acquire(timeout=30)
+        assert_error(httpx.post(srv.url + COMPL, json={**body, "prompt": "no room"}), 503, "queue_full")
+        rt.gate.set()
+        rt.meter.release(6)                             # both sequences advance, batched
+        buf = b""
+        while buf.count(b"data: ") < 2:
+            data = leaving.recv(65536)
+            assert data, f"the stream ended early: {buf!r}"
+            buf += data
+        leaving.close()
+        rt.meter.release(1000)
+        wait_until(lambda: len(sch.running_jobs) <= 1, what="the disconnect to free its slot")
+        later = httpx.post(srv.url + COMPL, json={**body, "prompt": "comes later"}, timeout=60)   # the freed slot
+        staying.join(60)
+        rt.meter = None
+        assert out["stays"].json()["choices"][0]["text"] == alone["stays"]
+        assert later.json()["choices"][0]["text"] == alone["comes later"]
+        assert _metric(srv.url, 'edgerun_generations_total{outcome="cancelled"}') == 1
+
+
+def test_a_request_goes_to_the_slot_that_holds_its_prefix(tiny_llama):
+    """A free slot that holds the longest prefix of a prompt (a conversation's earlier turns) takes it."""
+    model = str(tiny_llama)
+    holder, out = {}, {}
+    prompts = {"x": "the story so far: one two three four five", "y": "a different conversation entirely"}
+    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, holder, parallel=2)) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        rt, sch = holder["rt"], srv.state.scheduler
+        rt.gate.clear()                                 # both slots busy at once: one prompt each
+        threads = [_post_in_thread(srv.url, COMPL, {"model": model, "prompt": p, "max_tokens": 4,
+                                                    "temperature": 0}, out, k) for k, p in prompts.items()]
+        for _ in threads:
+            assert rt.entered.acquire(timeout=30)
+        rt.gate.set()
+        for t in threads:
+            t.join(60)
+        caches = [list(s.target.tokens) for s in sch.slots]
+        x = rt.tokenize(prompts["x"])
+        holds_x = next(i for i, c in enumerate(caches) if c[:len(x)] == x)
+        for _ in range(3):                              # the same conversation, one turn further each time
+            r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": prompts["x"] + " six", "max_tokens": 4,
+                                                  "temperature": 0}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert list(sch.slots[1 - holds_x].target.tokens) == caches[1 - holds_x]    # the other slot untouched
 
 
 # --- /metrics text ---------------------------------------------------------------------------------

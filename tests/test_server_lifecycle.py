@@ -52,9 +52,10 @@ def notify():
     listener.close()
 
 
-def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_zero(tiny_llama, tmp_path, notify):
+@pytest.mark.parametrize("parallel", [1, 4], ids=["parallel1", "parallel4"])
+def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_zero(tiny_llama, tmp_path, notify, parallel):
     env = clean_env(tmp_path, NOTIFY_SOCKET=notify.env_value, WATCHDOG_USEC="300000")
-    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--shutdown-grace", "0"], env=env)
+    srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--shutdown-grace", "0", "--parallel", parallel], env=env)
     try:
         srv.wait_ready()
         wait_until(lambda: "READY=1" in notify.messages, what="READY=1")

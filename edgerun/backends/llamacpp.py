@@ -1,7 +1,13 @@
 """llama.cpp backend on llama-cpp-python's low-level batch API.
 
 Logits are requested only for the positions asked for (never an n_ctx x n_vocab array), and
-rollback is llama_memory_seq_rm on the single sequence.
+rollback is llama_memory_seq_rm on the sequence. A context made with BackendArgs.n_seq > 1 holds that
+many sequences (llama.cpp sequence ids 0..n_seq-1), each with its own KV stream of n_ctx cells
+(kv_unified off: a sequence's cells stay in position order whatever the others do, so its attention
+sums in the same order as alone; with one unified cache, greedy output differed from alone in 2 of 4
+runs, docs/batching.md); `eval_rows` evaluates rows of several sequences in one llama_decode
+(continuous batching, edgerun/backends/batch.py). The Backend protocol methods (eval, truncate,
+tokens) are sequence 0's.
 """
 
 from __future__ import annotations
@@ -45,11 +51,14 @@ class LlamaCppBackend:
             log.info("n_ctx %d exceeds the model's training context %d; using %d", n_ctx, n_ctx_train, n_ctx_train)
             n_ctx = n_ctx_train
         self.n_threads = args.n_threads or default_threads()
+        self.n_seq: int = args.n_seq
         cp = L.llama_context_default_params()
-        cp.n_ctx = n_ctx
+        cp.n_ctx = n_ctx * self.n_seq
         cp.n_batch = min(args.n_batch, n_ctx)
         cp.n_ubatch = cp.n_batch
-        cp.n_seq_max = 1
+        cp.n_seq_max = self.n_seq
+        # one KV stream per sequence (n_ctx cells each): batched attention sums as the sequence's own would
+        cp.kv_unified = False
         cp.n_threads = self.n_threads
         cp.n_threads_batch = self.n_threads
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if args.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -60,14 +69,15 @@ class LlamaCppBackend:
             raise BackendError(f"llama.cpp could not create a context of {n_ctx} positions for {self.path} "
                                f"(out of memory?); try a smaller --ctx")
         self._mem = L.llama_get_memory(self._ctx)
-        self.n_ctx: int = L.llama_n_ctx(self._ctx)
+        self.n_ctx: int = L.llama_n_ctx(self._ctx) // self.n_seq      # positions per sequence
         self.n_batch: int = cp.n_batch
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.n_vocab: int = self.tokenizer.n_vocab
         self.weight_bytes: int = int(L.llama_model_size(self._model.ptr))
         self.n_params: int = int(L.llama_model_n_params(self._model.ptr))
         self.flash_attn = args.flash_attn
-        self.tokens: list[int] = []
+        self._seqs: list[list[int]] = [[] for _ in range(self.n_seq)]   # tokens cached per sequence
+        self.tokens: list[int] = self._seqs[0]
 
     # -- Backend protocol ---------------------------------------------------------------------
     @property
@@ -80,43 +90,73 @@ class LlamaCppBackend:
 
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
         tokens, k = check_eval(self, tokens, n_logits)
-        n = len(tokens)
+        return self.eval_rows([(0, tokens, k)])[0]
+
+    def truncate(self, n: int) -> None:
+        self.truncate_seq(0, n)
+
+    # -- several sequences (continuous batching) ----------------------------------------------
+    def seq_tokens(self, seq: int) -> list[int]:
+        """The tokens cached for sequence `seq` (the list itself: it changes as the sequence does)."""
+        return self._seqs[seq]
+
+    def eval_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        """Append rows[i] = (seq, tokens, k) to their sequences' caches in one llama_decode per n_batch
+        positions; return, per row, float32 logits [k, n_vocab] of its last k positions. The tokens are
+        checked already (check_eval); a sequence appears at most once."""
         L = llama_lib.lib()
-        out = np.empty((k, self.n_vocab), dtype=np.float32)
-        filled = 0
+        outs = [np.empty((k, self.n_vocab), dtype=np.float32) for _, _, k in rows]
+        filled = [0] * len(rows)
+        # the flat list of positions: (row index, token, position in its sequence, wants logits)
+        flat = []
+        for r, (seq, toks, k) in enumerate(rows):
+            base, n = len(self._seqs[seq]), len(toks)
+            flat.extend((r, tok, base + i, i >= n - k) for i, tok in enumerate(toks))
         b = self._batch
-        for start in range(0, n, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            n_out = 0
-            for i, tok in enumerate(chunk):
-                want = start + i >= n - k
+        for start in range(0, len(flat), self.n_batch):
+            chunk = flat[start:start + self.n_batch]
+            for i, (r, tok, pos, want) in enumerate(chunk):
                 b.token[i] = tok
-                b.pos[i] = self.n_past + i
+                b.pos[i] = pos
                 b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
+                b.seq_id[i][0] = rows[r][0]
                 b.logits[i] = want
-                n_out += want
             b.n_tokens = len(chunk)
             rc = L.llama_decode(self._ctx, b)
             if rc != 0:
-                L.llama_memory_seq_rm(self._mem, 0, self.n_past, -1)   # drop what the failed batch left
-                raise BackendError(f"llama_decode failed with code {rc} at position {self.n_past}")
-            self.tokens.extend(chunk)
+                for seq, _, _ in rows:          # drop what the failed batch left
+                    L.llama_memory_seq_rm(self._mem, seq, len(self._seqs[seq]), -1)
+                raise BackendError(f"llama_decode failed with code {rc} "
+                                   f"({len(rows)} sequence(s), {len(chunk)} positions)")
+            n_out = 0
+            for r, tok, _, want in chunk:
+                self._seqs[rows[r][0]].append(tok)
+                n_out += want
             if n_out:
-                ptr = L.llama_get_logits(self._ctx)
-                # logits of the n_out requested positions, in order: [n_out, n_vocab]
-                out[filled:filled + n_out] = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
-                filled += n_out
-        return out
+                # logits of the requested positions, in batch order: [n_out, n_vocab]
+                got = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+                if len(rows) == 1:              # one sequence: its rows in one copy
+                    outs[0][filled[0]:filled[0] + n_out] = got
+                    filled[0] += n_out
+                    continue
+                j = 0
+                for r, _, _, want in chunk:
+                    if want:
+                        outs[r][filled[r]] = got[j]
+                        filled[r] += 1
+                        j += 1
+        return outs
 
-    def truncate(self, n: int) -> None:
+    def truncate_seq(self, seq: int, n: int) -> None:
+        """Keep the first n positions of sequence `seq` (rollback)."""
         if n < 0:
             raise InvalidArgument(f"truncate needs n >= 0, got {n}")
-        n = min(n, len(self.tokens))
+        toks = self._seqs[seq]
+        n = min(n, len(toks))
         # always remove [n, end): a KeyboardInterrupt landing between llama_decode and the bookkeeping
-        # below may have left positions in the cache that `tokens` does not list
-        llama_lib.lib().llama_memory_seq_rm(self._mem, 0, n, -1)
-        del self.tokens[n:]
+        # may have left positions in the cache that the token list does not hold
+        llama_lib.lib().llama_memory_seq_rm(self._mem, seq, n, -1)
+        del toks[n:]
 
     def close(self) -> None:
         L = llama_lib.lib()

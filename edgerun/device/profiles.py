@@ -69,6 +69,7 @@ class LlamaSettings:
     flash_attn: bool = True                    # needed for bit-identical batched vs single-token logits
     use_mmap: bool = True
     use_mlock: bool = False
+    parallel: int = 4                          # sequences `edgerun serve` batches (--parallel; KV cache each)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ class DeviceProfile:
         bad = sorted(set(overrides) - known)
         if bad:
             raise InvalidArgument(f"unknown backend option(s) {', '.join(bad)}; expected some of {sorted(known)}")
-        values = {f.name: getattr(self.llama, f.name) for f in dataclasses.fields(LlamaSettings)}
+        values = {f.name: getattr(self.llama, f.name) for f in dataclasses.fields(LlamaSettings) if f.name in known}
         values["providers"] = tuple(self.onnx.providers)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return BackendArgs(**values)

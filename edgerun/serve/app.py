@@ -223,8 +223,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     @app.get("/metrics")
     async def metrics():
         sch = state.scheduler
+        group = getattr(sch.slots[0], "group", None) if sch.slots else None
         text = state.metrics.render(queue_depth=sch.depth, queue_limit=sch.queue_limit, busy=sch.busy,
-                                    ready=sch.ready.is_set() and not sch.draining)
+                                    ready=sch.ready.is_set() and not sch.draining, slots=sch.n_slots,
+                                    running=len(sch.running_jobs),
+                                    batch=(group.n_steps, group.n_rows) if group is not None else (0, 0))
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -325,6 +328,7 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
 
         opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
                 if v is not None}
+        opts["parallel"] = config.parallel          # None: the device profile's
         if config.rpc:
             opts.update(rpc=list(config.rpc), tensor_split=list(config.tensor_split) or None,
                         on_lost_worker=_exit_lost_worker)

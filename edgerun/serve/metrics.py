@@ -86,7 +86,8 @@ class Metrics:
         with self._lock:
             self.gamma = gamma
 
-    def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool) -> str:
+    def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool, slots: int = 1,
+               running: int | None = None, batch: tuple[int, int] = (0, 0)) -> str:
         """The exposition text. Live values (queue, readiness) are passed in by the caller."""
         with self._lock:
             out: list[str] = []
@@ -128,6 +129,13 @@ class Metrics:
             metric("edgerun_queue_depth", "gauge", "Requests waiting for the generation worker.", [("", queue_depth)])
             metric("edgerun_queue_limit", "gauge", "Most requests allowed to wait; more get 503.", [("", queue_limit)])
             metric("edgerun_busy", "gauge", "1 while a generation runs.", [("", int(busy))])
+            metric("edgerun_slots", "gauge", "Generations that can run at once (--parallel).", [("", slots)])
+            metric("edgerun_running", "gauge", "Generations running now.",
+                   [("", int(busy) if running is None else running)])
+            metric("edgerun_batch_steps_total", "counter", "Batched evaluations (continuous batching; 0 with one slot).",
+                   [("", batch[0])])
+            metric("edgerun_batch_rows_total", "counter", "Rows (positions of all sequences) in those evaluations.",
+                   [("", batch[1])])
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"

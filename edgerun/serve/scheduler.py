@@ -1,8 +1,11 @@
-"""The generation worker: one thread owns the Runtime and runs jobs from a bounded FIFO queue.
+"""The generation workers: slots that run jobs from a bounded FIFO queue.
 
-The Runtime is not thread-safe and there is one loaded target, so exactly one generation runs at
-a time. The thread loads the models itself (the HTTP socket is already serving /health meanwhile),
-then takes jobs in arrival order. Each job streams its events (Step records, then one JobResult)
+The worker thread loads the models itself (the HTTP socket is already serving /health meanwhile). A
+Runtime loaded with parallel 1 serves one generation at a time on that thread, as it always did. With
+parallel N (continuous batching) it runs N slot threads, one per sequence of the shared contexts
+(Runtime.slots): a free slot takes the oldest waiting job as soon as its previous one ends (and passes
+it to the free slot whose cache holds the longest prefix of its prompt), and the slots' decode steps are
+evaluated together (edgerun/backends/batch.py). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
 back to the asyncio event loop that submitted it. A job stops early when it is cancelled (client
 gone), when its deadline passes, or when the server drains for shutdown; stopping closes the
 Runtime's stream, whose `finally` rolls the KV caches back to the committed tokens.
@@ -19,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..backends.base import common_prefix
 from ..errors import EdgerunError, InvalidArgument
 from ..generate import GenStats
 
@@ -125,10 +129,15 @@ class Scheduler:
         self._on_result = on_result
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []               # jobs the slots run, in the order they started
+        self.n_slots = 1                            # generations that run at once (the Runtime's parallel)
+        self.slots: list[Any] = []                  # the Runtime of each slot (the Runtime itself for one)
         self._draining = False
         self._stopping = False
-        self._step_started: float | None = None    # monotonic time the current blocking step began
+        self._step_started: dict[int, float] = {}   # slot -> monotonic time its current blocking step began
+        self._idle: set[int] = set()                # slots without a job (running or handed to them)
+        self._dispatch = threading.Lock()           # held by the slot taking and placing a job
+        self._handoff: dict[int, tuple] = {}        # slot -> (job, prepared prompt) another slot passed it
         self._mean_job_s = 5.0                      # running mean of job durations, for Retry-After
         self.runtime: Any = None
         self.ready = threading.Event()
@@ -142,11 +151,17 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     @property
     def running(self) -> Job | None:
-        return self._running
+        """The oldest running job (None when idle); `running_jobs` lists them all."""
+        running = self._running
+        return running[0] if running else None
+
+    @property
+    def running_jobs(self) -> list[Job]:
+        return list(self._running)
 
     @property
     def draining(self) -> bool:
@@ -154,13 +169,13 @@ class Scheduler:
 
     def stuck_for(self) -> float:
         """Seconds the worker has been inside one blocking step (0 when idle)."""
-        started = self._step_started
-        return 0.0 if started is None else time.monotonic() - started
+        started = list(self._step_started.values())
+        return 0.0 if not started else time.monotonic() - min(started)
 
     def retry_after(self) -> int:
-        """A guess at when a slot frees: the mean job time times the jobs ahead, 1..120 s."""
-        ahead = len(self._waiting) + (1 if self._running is not None else 0)
-        return int(min(120, max(1, math.ceil(self._mean_job_s * max(ahead, 1)))))
+        """A guess at when a slot frees: the mean job time times the jobs ahead per slot, 1..120 s."""
+        ahead = len(self._waiting) + len(self._running)
+        return int(min(120, max(1, math.ceil(self._mean_job_s * max(ahead, 1) / self.n_slots))))
 
     # -- control -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,9 +190,10 @@ class Scheduler:
                 raise Unavailable(f"the model failed to load: {self.load_error}")
             if not self.ready.is_set():
                 raise Unavailable("the model is still loading; retry shortly", retry_after=5)
-            if len(self._waiting) >= self.queue_limit and (self._running is not None or self._waiting):
-                raise QueueFull(f"all {self.queue_limit} queue slots are taken and a generation is running; "
-                                f"retry later", self.retry_after())
+            free = max(0, self.n_slots - len(self._running))      # slots that take a job at once
+            if len(self._waiting) >= self.queue_limit + free:
+                raise QueueFull(f"all {self.queue_limit} queue slots are taken and every generation slot is "
+                                f"busy; retry later", self.retry_after())
             self._waiting.append(job)
             self._cond.notify_all()
 
@@ -208,13 +224,13 @@ class Scheduler:
             self._draining = True
             waiting = list(self._waiting)
             self._waiting.clear()
-            running = self._running
+            running = list(self._running)
         for job in waiting:
             job.request_stop("shutdown")
             self._end_unstarted(job, "shutdown")
-        if running is not None:
-            running.deadline_outcome = "shutdown"
-            running.shorten_deadline(time.monotonic() + grace_s)
+        for job in running:
+            job.deadline_outcome = "shutdown"
+            job.shorten_deadline(time.monotonic() + grace_s)
 
     def _end_unstarted(self, job: Job, outcome: str) -> None:
         res = JobResult(outcome=outcome, queue_wait_s=time.monotonic() - job.created)
@@ -227,10 +243,10 @@ class Scheduler:
         self.drain(0.0)
         with self._cond:
             self._stopping = True
-            running = self._running
+            running = list(self._running)
             self._cond.notify_all()
-        if running is not None:
-            running.request_stop("shutdown")
+        for job in running:
+            job.request_stop("shutdown")
         if self._thread.is_alive():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -246,38 +262,120 @@ class Scheduler:
             if self._on_load_error is not None:
                 self._on_load_error(exc)
             return
+        try:
+            slots = runtime.slots() if getattr(runtime, "parallel", 1) > 1 else [runtime]
+        except Exception as exc:
+            self.load_error = exc
+            log.error("setting up the generation slots failed: %s", exc)
+            runtime.close()
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
+            return
         if self._stopping:
             runtime.close()
             return
+        self.n_slots = len(slots)
+        self.slots = slots
+        self._idle = set(range(len(slots)))
         self.runtime = runtime
         self.ready.set()
         if self._on_ready is not None:
             self._on_ready(runtime)
         try:
-            while True:
+            if len(slots) == 1:
+                self._serve(0, runtime)
+            else:
+                threads = [threading.Thread(target=self._serve, args=(i, slot), name=f"edgerun-slot-{i}",
+                                            daemon=True) for i, slot in enumerate(slots)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        finally:
+            self.runtime = None
+            runtime.close()
+
+    def _serve(self, slot: int, runtime: Any) -> None:
+        """One slot: take the oldest waiting job, run it, repeat until the server stops."""
+        while True:
+            with self._cond:
+                while not self._waiting and slot not in self._handoff and not self._stopping:
+                    self._cond.wait()
+                if slot not in self._handoff and self._stopping:
+                    break
+            with self._dispatch:                # one slot at a time takes a job and places it
                 with self._cond:
-                    while not self._waiting and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    job = self._waiting.popleft()
-                    self._running = job
-                t0 = time.monotonic()
-                try:
-                    result = self._run(runtime, job)
-                finally:
-                    with self._cond:
-                        self._running = None
+                    handed = self._handoff.pop(slot, None)
+                    if handed is None:
+                        if not self._waiting:
+                            continue            # another slot took it
+                        job = self._waiting.popleft()
+                        self._running.append(job)
+                    self._idle.discard(slot)
+                if handed is not None:
+                    job, prepared = handed
+                else:
+                    target, prepared = self._affinity(slot, runtime, job)
+                    if target != slot:          # handed to the slot that holds the prompt's prefix
+                        with self._cond:
+                            self._idle.add(slot)
+                        continue
+            t0 = time.monotonic()
+            try:
+                result = self._run(runtime, job, slot, prepared)
                 if result.started:
                     self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
                 if self._on_result is not None:
                     self._on_result(result)
                 job._emit("end", result)
-        finally:
-            self.runtime = None
-            runtime.close()
+            finally:
+                with self._cond:               # the slot is free once its job's end is recorded
+                    self._running.remove(job)
+                    self._idle.add(slot)
 
-    def _run(self, runtime: Any, job: Job) -> JobResult:
+    @staticmethod
+    def _prepare(runtime: Any, job: Job) -> tuple[list[int], Any]:
+        """The job's prompt tokens and constraint (InvalidArgument etc. on bad input)."""
+        constraint = None
+        if job.messages is not None:
+            plan = runtime.plan_chat(job.messages, **job.structure)
+            prompt_tokens, constraint = plan.prompt_tokens, plan.constraint
+        elif job.prompt_tokens is not None:
+            prompt_tokens = job.prompt_tokens
+            n_vocab = runtime.tokenizer.n_vocab
+            bad = next((t for t in prompt_tokens if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
+        else:
+            prompt_tokens = runtime.tokenize(job.prompt)
+        if job.messages is None and job.structure:
+            constraint = runtime.constraint(**job.structure)
+        return prompt_tokens, constraint
+
+    def _affinity(self, slot: int, runtime: Any, job: Job) -> tuple[int, Any]:
+        """(the slot to run the job on, its prepared prompt or None): of this slot and the free ones, the one
+        whose cache holds the longest prefix of the prompt (a conversation's next turn finds its history),
+        this one on ties. Called with the dispatch lock held."""
+        if len(self.slots) == 1:
+            return slot, None
+        try:
+            prepared = self._prepare(runtime, job)
+        except Exception:                    # bad input: _run reports it
+            return slot, None
+        prompt = prepared[0]
+        best, best_n = slot, common_prefix(self.slots[slot].target.tokens, prompt)
+        with self._cond:
+            for i in self._idle:
+                n = common_prefix(self.slots[i].target.tokens, prompt)
+                if n > best_n:
+                    best, best_n = i, n
+            if best != slot:
+                self._idle.discard(best)
+                self._handoff[best] = (job, prepared)
+                self._cond.notify_all()
+        return best, prepared
+
+    def _run(self, runtime: Any, job: Job, slot: int = 0, prepared: Any = None) -> JobResult:
         now = time.monotonic()
         res = JobResult(outcome="length", queue_wait_s=now - job.created)
         if job.stop_reason is not None:
@@ -288,21 +386,8 @@ class Scheduler:
             return res
         stream = None
         try:
-            self._step_started = now
-            constraint = None
-            if job.messages is not None:
-                plan = runtime.plan_chat(job.messages, **job.structure)
-                prompt_tokens, constraint = plan.prompt_tokens, plan.constraint
-            elif job.prompt_tokens is not None:
-                prompt_tokens = job.prompt_tokens
-                n_vocab = runtime.tokenizer.n_vocab
-                bad = next((t for t in prompt_tokens if not 0 <= t < n_vocab), None)
-                if bad is not None:
-                    raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
-            else:
-                prompt_tokens = runtime.tokenize(job.prompt)
-            if job.messages is None and job.structure:
-                constraint = runtime.constraint(**job.structure)
+            self._step_started[slot] = now
+            prompt_tokens, constraint = prepared if prepared is not None else self._prepare(runtime, job)
             res.n_prompt_tokens = len(prompt_tokens)
             room = runtime.n_ctx - len(prompt_tokens)
             res.max_tokens = max(0, room if job.max_tokens is None else min(job.max_tokens, room))
@@ -310,14 +395,14 @@ class Scheduler:
                                            stats=res.stats, constraint=constraint, **job.sampling)
             res.started = True
             for step in stream:
-                self._step_started = time.monotonic()
+                self._step_started[slot] = time.monotonic()
                 if res.ttft_s is None:
-                    res.ttft_s = self._step_started - job.created
+                    res.ttft_s = self._step_started[slot] - job.created
                 job._emit("step", step)
                 if job.stop_reason is not None:
                     res.outcome = job.stop_reason
                     break
-                if self._step_started >= job.deadline:
+                if self._step_started[slot] >= job.deadline:
                     res.outcome = job.deadline_outcome
                     break
             else:
@@ -328,7 +413,7 @@ class Scheduler:
             log.exception("generation failed")
             res.outcome, res.error = "error", exc
         finally:
-            self._step_started = None
+            self._step_started.pop(slot, None)
             if stream is not None:
                 stream.close()               # the decode loop's finally rolls the caches back
         res.n_tokens = res.stats.n_tokens

@@ -30,7 +30,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
-    queue: int = 8                       # requests allowed to wait behind the running one
+    queue: int = 8                       # requests allowed to wait behind the running ones
+    parallel: int | None = None          # generations batched at once (None: the device profile's)
     timeout_s: float = 300.0             # per-request limit: queue wait + generation
     max_body_bytes: int = 1 * MiB
     shutdown_grace_s: float = 10.0       # SIGTERM: how long the running generation may continue
@@ -48,6 +49,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
+        if self.parallel is not None and not (isinstance(self.parallel, int) and 1 <= self.parallel <= 64):
+            raise InvalidArgument(f"parallel must be an integer in 1..64 (generations at once), got {self.parallel!r}")
         if not isinstance(self.queue, int) or self.queue < 0:
             raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
@@ -150,10 +153,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allow_host", ("--allow-host",), "EDGERUN_ALLOW_HOST",
             "Host header names accepted besides localhost/127.0.0.1/::1 when serving loopback (comma-separated).",
             env_example="edgerun.local", field="allowed_hosts", to_config=_csv),
+    Setting("parallel", ("--parallel",), "EDGERUN_PARALLEL",
+            "Generations run at once, batched in one model context (continuous batching; each slot reserves "
+            "--ctx positions of KV cache). Default: the device profile's.", type=click.IntRange(1, 64),
+            env_example="4",
+            env_doc=("", "Continuous batching: generations served at once (each reserves a context's KV cache);",
+                     "empty: the device profile's (4 unless the profile says otherwise).")),
     Setting("queue", ("--queue",), "EDGERUN_QUEUE",
-            "Requests allowed to wait behind the running one; more get 503 + Retry-After.",
+            "Requests allowed to wait behind the running ones; more get 503 + Retry-After.",
             type=click.IntRange(0, None), default=8, env_value="8",
-            env_doc=("", "Load control: requests waiting behind the running one (more get 503 + Retry-After),",
+            env_doc=("", "Load control: requests waiting behind the running ones (more get 503 + Retry-After),",
                      "per-request time limit in seconds, largest request body in KiB, and how long the",
                      "running generation may continue after `systemctl stop` before it is cancelled.")),
     Setting("timeout_s", ("--timeout",), "EDGERUN_TIMEOUT",

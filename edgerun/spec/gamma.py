@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -158,7 +158,9 @@ class GammaTuner:
     @classmethod
     def for_runtime(cls, profile, target, drafter, spec, *, measure: bool = True) -> "GammaTuner":
         """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured),
-        one acceptance model per hint class the drafter reports."""
+        one acceptance model per hint class the drafter reports. The curve is measured up to gamma_max + 1
+        rows; BatchedGamma (continuous batching) reads it further, extended linearly from its last points
+        (CostCurve.verify): probing every batch size up to 36 rows took over two minutes at start-up."""
         from ..device.costprobe import cost_curve_for
 
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
@@ -420,3 +422,42 @@ class GammaTuner:
                 "supply": [[float(x) for x in self.supply(c)] for c in range(self.n_classes)],
                 "t_draft": self.t_draft(), "t_verify_1": self.t_verify(1), "cost_source": self.cost.source,
                 "n_explored": self.n_explored}
+
+
+class BatchedGamma:
+    """A sequence's gamma while it shares the target's batches with others (continuous batching).
+
+    With one sequence active it is its tuner, unchanged. With m > 1 active, one step evaluates the
+    other m - 1 sequences' rows (taken as one each) with this sequence's gamma + 1: it yields
+    (m - 1) + tokens(gamma) tokens in T(m + gamma) + gamma x t_draft, from the measured cost curve of
+    a batch of rows T(rows) and the tuner's acceptance and supply model. The tuner's gamma is lowered
+    to the one that maximises that step's rate, down to 0 (speculation off) where the batch already
+    fills the compute. The tuner learns from what it observes, its verify time rescaled from the batch
+    it shared to the gamma + 1 rows it models."""
+
+    def __init__(self, tuner: GammaTuner, n_active: Callable[[], int]) -> None:
+        self.tuner = tuner
+        self.n_active = n_active
+        self.n_lowered = 0            # cycles whose gamma was lowered because of the batch
+        self._m = 1                   # sequences active when the current cycle's gamma was chosen
+
+    def choose(self, hint: int | None = 0) -> int:
+        g = self.tuner.choose(hint)
+        self._m = m = max(1, self.n_active())
+        if g == 0 or m == 1:
+            return g
+        t = self.tuner
+        c = min(hint or 0, t.n_classes - 1)
+        A = np.cumprod(t.supply(c) * t.acceptance(c))[:g]                     # A [g]: drafts 1..k all kept
+        tokens = (m - 1) + 1.0 + np.concatenate([[0.0], np.cumsum(A)])         # tokens [g + 1], index gamma
+        cost = np.array([t.t_verify(m + k) + k * t.t_draft() for k in range(g + 1)])   # cost [g + 1]
+        best = int(np.argmax(tokens / cost))
+        self.n_lowered += best < g
+        return best
+
+    def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
+        m = self._m
+        if m > 1:                     # the batch's time, as the tuner's own gamma + 1 rows would take
+            curve = self.tuner.cost
+            t_verify *= curve.verify(gamma + 1) / curve.verify(m + gamma)
+        self.tuner.observe(gamma, n_accepted, t_draft, t_verify)

@@ -1,0 +1,209 @@
+"""Continuous batching: `edgerun serve --parallel N` against llama.cpp's `llama-server --parallel N`.
+
+Same model files, threads, context per slot and requests (greedy streaming chat, the same prompts, the same
+max_tokens). For each model configuration both servers run side by side (loaded once, idle while the other
+is measured); each concurrency level is measured on both back to back, alternating which goes first.
+Reported per level: aggregate completion tokens/s (all tokens / wall time of the level) and p50/p95 time to
+first token. A third server, edgerun with --parallel 1 (one generation at a time, the pre-batching
+scheduler), gives the single-client baseline. Writes bench/results/batch.json and prints a table.
+
+    nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
+        [--clients 1,2,4,8] [--rounds 2] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import PROMPTS, pct  # noqa: E402  (bench/serve.py: the load test's prompts and percentile)
+
+CONFIGS = {
+    "smollm2": ("smollm2-135m-instruct", None),
+    "qwen": ("qwen2.5-coder-1.5b-instruct", None),
+    "qwen-spec": ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A server subprocess with its output collected; ready once GET /health answers 200."""
+
+    def __init__(self, name: str, cmd: list[str], url: str, env: dict | None = None) -> None:
+        self.name, self.url = name, url
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: [self.lines.append(line.rstrip()) for line in self.proc.stdout],
+                         daemon=True).start()
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited:\n" + "\n".join(self.lines[-30:]))
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{self.name} never became ready:\n" + "\n".join(self.lines[-30:]))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def edgerun_server(model: str, draft: str | None, args, parallel: int) -> Proc:
+    port = free_port()
+    cmd = [sys.executable, "-m", "edgerun", "serve", "--model", model, "--draft", draft or "none",
+           "--parallel", str(parallel), "--threads", str(args.threads), "--ctx", str(args.ctx),
+           "--port", str(port), "--queue", "64", "--timeout", "900", "--no-pull"]
+    return Proc(f"edgerun --parallel {parallel}", cmd, f"http://127.0.0.1:{port}")
+
+
+def llama_server(model: str, draft: str | None, args) -> Proc:
+    from edgerun.registry.cache import resolve_model
+
+    port = free_port()
+    binary = Path(args.llama_bin) / "llama-server"
+    cmd = [str(binary), "-m", str(resolve_model(model, pull=False)), "-t", str(args.threads), "-tb", str(args.threads),
+           "-c", str(args.ctx * args.parallel), "-np", str(args.parallel), "-fa", "on", "-ngl", "0",
+           "--host", "127.0.0.1", "--port", str(port)]
+    if draft:
+        cmd += ["-md", str(resolve_model(draft, pull=False)), "-ngld", "0"]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_bin))}
+    return Proc(f"llama-server -np {args.parallel}", cmd, f"http://127.0.0.1:{port}", env=env)
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
+    """One greedy streaming chat request: time to first content and completion tokens (usage, else chunks)."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, chunks, usage = None, 0, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            for ch in chunk.get("choices", []):
+                if ch.get("delta", {}).get("content"):
+                    chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+    return {"ttft": ttft, "tokens": usage if usage is not None else chunks}
+
+
+async def _batch_counters(client: httpx.AsyncClient) -> tuple[float, float]:
+    """edgerun's (batched evaluations, rows in them) so far; (0, 0) for a server without them."""
+    r = await client.get("/metrics")
+    text = r.text if r.status_code == 200 else ""
+    vals = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(("edgerun_batch_steps_total ", "edgerun_batch_rows_total "))}
+    return vals.get("edgerun_batch_steps_total", 0.0), vals.get("edgerun_batch_rows_total", 0.0)
+
+
+async def level(url: str, model: str, clients: int, rounds: int, max_tokens: int) -> dict:
+    """`clients` concurrent clients, each sending `rounds` requests one after another."""
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        steps0, rows0 = await _batch_counters(client)
+        async def one_client(c: int) -> list[dict]:
+            return [await one_request(client, model, PROMPTS[(c * rounds + i) % len(PROMPTS)], max_tokens)
+                    for i in range(rounds)]
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(one_client(c) for c in range(clients))) for r in rs]
+        wall = time.perf_counter() - t0
+        steps1, rows1 = await _batch_counters(client)
+    tokens = sum(r["tokens"] for r in results)
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
+            "rows_per_batch": (rows1 - rows0) / (steps1 - steps0) if steps1 > steps0 else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama-bin", required=True, help="directory of a llama.cpp build with llama-server "
+                                                      "(built from the llama-cpp-python source package)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=1024, help="context positions per slot (both servers)")
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--clients", default="1,2,4,8")
+    ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--configs", default="smollm2,qwen,qwen-spec")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
+    args = ap.parse_args()
+    levels = [int(x) for x in args.clients.split(",")]
+    report: dict = {"args": vars(args), "configs": {}}
+    for name in args.configs.split(","):
+        model, draft = CONFIGS[name]
+        servers = {"edgerun": edgerun_server(model, draft, args, args.parallel),
+                   "llama-server": llama_server(model, draft, args),
+                   "edgerun-p1": edgerun_server(model, draft, args, 1)}
+        try:
+            for s in servers.values():
+                s.wait_ready()
+            for s in servers.values():          # warm-up: every slot once (its cached chat-template prefix,
+                asyncio.run(level(s.url, model, args.parallel, 1, args.max_tokens))   # the tuner's first cycles)
+            rows = []
+            for i, c in enumerate(levels):
+                order = ["edgerun", "llama-server"] if i % 2 == 0 else ["llama-server", "edgerun"]
+                if c == 1:
+                    order.append("edgerun-p1")
+                row = {"clients": c}
+                for who in order:
+                    row[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
+                    print(f"{name} {c} clients {who}: {row[who]['tok_s']:.1f} tok/s, TTFT p50 "
+                          f"{row[who]['ttft_p50_s']:.2f} s", flush=True)
+                rows.append(row)
+            report["configs"][name] = {"model": model, "draft": draft, "levels": rows}
+        finally:
+            for s in servers.values():
+                s.stop()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
+          "llama-server TTFT p50 / p95 s | edgerun rows per batch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, cfg in report["configs"].items():
+        for row in cfg["levels"]:
+            e, ls = row["edgerun"], row["llama-server"]
+            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {e['tok_s'] / ls['tok_s']:.2f} | "
+                  f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
+                  f"{e['rows_per_batch'] or 0:.2f} |")
+        p1 = cfg["levels"][0].get("edgerun-p1")
+        if p1:
+            e = cfg["levels"][0]["edgerun"]
+            print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {e['tok_s'] / p1['tok_s']:.2f}"
+                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | |")
+    print(f"\nwritten {out}")
+
+
+if __name__ == "__main__":
+    main()

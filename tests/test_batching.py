@@ -1,0 +1,210 @@
+"""Continuous batching (issue 22): several sequences of one llama.cpp context, each running the one decode
+loop, their steps evaluated together (edgerun/backends/batch.py). Real llama.cpp, real threads.
+
+What must hold: each sequence's output is what it would be alone (greedy at 1 thread, and sampled with
+a fixed seed: its own rng and logits); a sequence that stops mid-batch leaves the others untouched; and
+the sampled joint law of two batched sequences' first tokens is the product of the one-sequence laws
+(a chi-square test that a row-mixing batcher fails).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from edgerun.backends.llamacpp import LlamaCppBackend
+from edgerun.runtime import load
+from edgerun.spec.sampling import probs
+from test_verify import P_FAIL, P_PASS, chisquare_pooled
+
+PROMPTS = ["the quick brown fox", "one two three one two three", "hello there", "a b c d e f"]
+
+
+def _load(path, parallel, **kw):
+    kw.setdefault("draft", None)
+    return load(str(path), profile="generic-x86_64-cpu", n_ctx=256, n_threads=1, parallel=parallel, **kw)
+
+
+def _concurrently(fns) -> list:
+    """Run the callables on their own threads, started together; their results in order."""
+    out: list = [None] * len(fns)
+    errors: list = []
+    barrier = threading.Barrier(len(fns))
+
+    def go(i):
+        try:
+            barrier.wait()
+            out[i] = fns[i]()
+        except BaseException as e:     # re-raised in the test's thread
+            errors.append(e)
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _texts_alone_and_batched(rt, prompts, **kw):
+    alone = [rt.generate(p, **kw).text for p in prompts]
+    slots = rt.slots()
+    batched = _concurrently([lambda s=s, p=p: s.generate(p, **kw).text for s, p in zip(slots, prompts)])
+    return alone, batched, slots[0].group
+
+
+@pytest.mark.parametrize("draft,gamma", [(None, 0), ("lookup", 2), ("self", 3)])
+def test_greedy_batched_equals_alone(tiny_llama, draft, gamma):
+    """Four concurrent greedy generations (plain, prompt lookup, a model drafter on its own batched
+    context) each give the text they give alone; they really shared batches."""
+    rt = _load(tiny_llama, 4, draft=str(tiny_llama) if draft == "self" else draft, gamma=gamma)
+    with rt:
+        alone, batched, group = _texts_alone_and_batched(rt, PROMPTS, max_tokens=24, temperature=0)
+        assert batched == alone
+        assert group.n_rows > group.n_steps          # some batch held rows of more than one position
+
+
+def test_sampled_with_seeds_reproduce_batched(tiny_llama):
+    """Sampled generations with fixed seeds: each sequence has its own rng, so the batched text is the
+    alone text (and the seeds differ, so the texts do too)."""
+    with _load(tiny_llama, 4) as rt:
+        kw = [dict(max_tokens=20, temperature=1.0, seed=s) for s in (1, 2, 3, 4)]
+        alone = [rt.generate(p, **k).text for p, k in zip(PROMPTS, kw)]
+        slots = rt.slots()
+        batched = _concurrently([lambda s=s, p=p, k=k: s.generate(p, **k).text for s, p, k in zip(slots, PROMPTS, kw)])
+        assert batched == alone
+        again = _concurrently([lambda s=s, p=p, k=k: s.generate(p, **k).text for s, p, k in zip(slots, PROMPTS, kw)])
+        assert again == alone
+
+
+def test_a_sequence_stopping_mid_batch_leaves_the_others_untouched(tiny_llama):
+    with _load(tiny_llama, 3) as rt:
+        kw = dict(max_tokens=40, temperature=0)
+        alone = [rt.generate(p, **kw).text for p in PROMPTS[:3]]
+        slots = rt.slots()
+        started = threading.Event()
+
+        def quitter():
+            stream = slots[1].stream_tokens(slots[1].tokenize(PROMPTS[1]), **kw)
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    started.set()
+                    break                       # the consumer goes away: the loop rolls its cache back
+            stream.close()
+            n = len(slots[1].target.tokens)
+            # then the freed slot serves a new request, from scratch, while the others still run
+            return n, slots[1].generate(PROMPTS[1], **kw).text
+
+        out = _concurrently([lambda: slots[0].generate(PROMPTS[0], **kw).text, quitter,
+                             lambda: slots[2].generate(PROMPTS[2], **kw).text])
+        assert out[0] == alone[0] and out[2] == alone[2]
+        n_after_stop, text = out[1]
+        assert n_after_stop == len(rt.tokenize(PROMPTS[1])) + 4 - 1   # prompt + 4 committed, minus pending
+        assert text == alone[1]
+        for i in (0, 2):                        # each cache holds its own committed tokens, minus pending
+            toks = rt.tokenize(PROMPTS[i])
+            assert slots[i].target.tokens[:len(toks)] == toks
+
+
+def _first_token_pairs(rt, prompts, sampling_kw, n_trials):
+    """(first token of sequence 0, first token of sequence 1) of n_trials batched pairs of generations."""
+    slots = rt.slots()[:2]
+    eos = rt.tokenizer.eos_id          # a generation that ends at once committed its end token
+    pairs = np.empty((n_trials, 2), dtype=np.int64)
+    for t in range(n_trials):
+        res = _concurrently([lambda s=s, p=p, i=i: s.generate(p, max_tokens=6, seed=2 * t + i, **sampling_kw).tokens
+                             for i, (s, p) in enumerate(zip(slots, prompts))])
+        pairs[t] = [r[0] if r else eos for r in res]
+    return pairs, slots[0].group
+
+
+def _joint_law(rt, prompts, sampling_kw) -> np.ndarray:
+    """p(x0) p(x1) over [V x V]: each sequence's exact one-sequence law of its first token."""
+    sampling = rt.sampling_args(**sampling_kw)
+    laws = []
+    for p in prompts:
+        toks = rt.tokenize(p)
+        rt.target.truncate(0)
+        laws.append(probs(rt.target.eval(toks, n_logits=1)[-1], sampling, toks))
+    rt.target.truncate(0)
+    return np.outer(laws[0], laws[1]).ravel()
+
+
+SAMPLED = dict(temperature=1.0, top_k=6)
+N_TRIALS = 600
+
+
+def test_batched_sampling_follows_each_sequences_law(tiny_llama):
+    """Two sequences sampled in the same batches: the joint law of their first tokens is the product of
+    the laws each has alone (chi-square over the pairs)."""
+    with _load(tiny_llama, 2) as rt:
+        prompts = PROMPTS[:2]
+        pairs, group = _first_token_pairs(rt, prompts, SAMPLED, N_TRIALS)
+        assert group.n_rows > group.n_steps                 # the pairs really were batched
+        V = rt.target.n_vocab
+        counts = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
+        p_value = chisquare_pooled(counts, _joint_law(rt, prompts, SAMPLED))
+        print("p", p_value)
+        assert p_value > P_PASS
+
+
+def test_a_row_mixing_batcher_fails_the_test(tiny_llama, monkeypatch):
+    """The known-wrong variant: a batcher that hands two sequences each other's logits rows."""
+    orig = LlamaCppBackend.eval_rows
+
+    def mixed(self, rows):
+        outs = orig(self, rows)
+        ks = [k for _, _, k in rows]
+        if len(outs) == 2 and ks[0] == ks[1]:
+            outs = outs[::-1]
+        return outs
+
+    monkeypatch.setattr(LlamaCppBackend, "eval_rows", mixed)
+    with _load(tiny_llama, 2) as rt:
+        prompts = PROMPTS[:2]
+        pairs, _ = _first_token_pairs(rt, prompts, SAMPLED, N_TRIALS // 2)      # overlapping: rows mixed
+        V = rt.target.n_vocab
+        counts = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
+        p_value = chisquare_pooled(counts, _joint_law(rt, prompts, SAMPLED))
+        print("wrong-variant p", p_value)
+        assert p_value < P_FAIL
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_batched_equals_alone():
+    """SmolLM2-135M (the registry file), 1 thread: four concurrent greedy generations, each equal to alone."""
+    from edgerun.registry.cache import resolve_model
+
+    path = resolve_model("smollm2-135m-instruct")
+    with _load(path, 4) as rt:
+        prompts = ["The capital of France is", "def fib(n):", "Once upon a time", "List three colors:"]
+        alone, batched, group = _texts_alone_and_batched(rt, prompts, max_tokens=32, temperature=0)
+        assert batched == alone
+        assert group.n_rows > group.n_steps
+
+
+def test_batched_gamma_turns_speculation_off_where_the_batch_fills_the_compute():
+    """The batch-aware gamma: alone it is the tuner's choice; with several sequences active it drafts
+    only while the rows it adds cost less than the tokens they are expected to bring."""
+    from edgerun.device.cost import CostCurve
+    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+
+    flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)          # rows are free
+    # up to 5 rows cost one pass over the weights, then each row adds compute
+    knee = CostCurve(t_verify=tuple(0.010 * max(1, n - 4) for n in range(1, 41)), t_draft=0.001)
+    # active sequences -> the gamma expected with each curve (the tuner alone drafts 4)
+    for curve, expect in ((flat, {1: 4, 4: 4, 8: 4}), (knee, {1: 4, 4: 1, 8: 0})):
+        tuner = GammaTuner(curve, gamma_max=4)
+        for _ in range(50):                                 # a drafter that is always right
+            tuner.observe(4, 4, 0.004, curve.verify(5))
+        active = [1]
+        policy = BatchedGamma(tuner, lambda: active[0])
+        got = {}
+        for m in expect:
+            active[0] = m
+            got[m] = policy.choose(0)
+            assert tuner._last == 4, "the tuner itself chose 4 (not an exploration cycle)"
+        assert got == expect
