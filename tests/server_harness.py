@@ -136,6 +136,24 @@ class InProcessServer:
         assert not self._thread.is_alive(), "in-process server did not stop"
 
 
+class Meter:
+    """A semaphore of token permits that records when a generation had to wait for one (`blocked`): a test
+    that sees `blocked` knows the generation is inside its next-token wait, not between two tokens."""
+
+    def __init__(self, n: int) -> None:
+        self._sem = threading.Semaphore(n)
+        self.blocked = threading.Event()
+
+    def acquire(self, timeout: float) -> bool:
+        if self._sem.acquire(blocking=False):
+            return True
+        self.blocked.set()
+        return self._sem.acquire(timeout=timeout)
+
+    def release(self, n: int = 1) -> None:
+        self._sem.release(n)
+
+
 class GatedRuntime:
     """A real Runtime whose generations wait at `gate` before their first token and, when `meter`
     is set, take one permit of it before each further token.

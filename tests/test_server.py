@@ -17,7 +17,7 @@ import pytest
 from edgerun.serve.metrics import GenerationRecord, Metrics
 from edgerun.runtime import load
 from edgerun.serve.settings import ServerConfig
-from server_harness import (TINY_ARGS, GatedRuntime, InProcessServer, ServerProcess, clean_env, sse_events,
+from server_harness import (TINY_ARGS, GatedRuntime, InProcessServer, Meter, ServerProcess, clean_env, sse_events,
                             wait_until)
 
 KEY = "sk-edgerun-test-key"
@@ -475,13 +475,16 @@ def test_client_disconnect_cancels_its_generation_and_frees_the_slot(tiny_llama,
         wait_until(lambda: sch.depth == 0, what="the queued request to leave")
 
         # a running stream whose client goes away mid-stream stops at its next token
-        rt.meter = threading.Semaphore(2)
+        rt.meter = Meter(2)
         rt.gate.set()
         buf = b""
         while buf.count(b"data: ") < 2:                 # headers + the first tokens arrived
             data = running.recv(65536)
             assert data, f"the stream ended early: {buf!r}"
             buf += data
+        # close only once the generation waits for its 4th token: a disconnect noticed between two tokens
+        # would end it after its 3rd (a race the test must not depend on)
+        assert rt.meter.blocked.wait(30)
         running.close()
         wait_until(lambda: sch.running is not None and sch.running.stop_reason == "cancelled",
                    what="the disconnect to be noticed")
@@ -492,8 +495,10 @@ def test_client_disconnect_cancels_its_generation_and_frees_the_slot(tiny_llama,
             t.join(60)
         assert all(out[f"h{i}"].status_code == 200 for i in range(parallel - 1))
         assert _metric(srv.url, 'edgerun_generations_total{outcome="cancelled"}') == 2
-        # the 50-token stream was cut after its 4th token (the first three, then one more permit)
-        assert _metric(srv.url, "edgerun_tokens_generated_total") == before_tokens + 4 + (parallel - 1)
+        # the 50-token stream was cut after its 4th token (the first three, then one more permit); in a batch
+        # the cancelled sequence may leave the step that computes the 4th before it is counted
+        cut = _metric(srv.url, "edgerun_tokens_generated_total") - before_tokens - (parallel - 1)
+        assert cut == 4 or (parallel > 1 and cut == 3), cut
 
         # the caches were rolled back: the same greedy request gives the same text
         after = httpx.post(srv.url + COMPL, json=probe).json()["choices"][0]["text"]
