@@ -129,7 +129,10 @@ async def _batch_counters(client: httpx.AsyncClient) -> tuple[float, float]:
 
 async def level(url: str, model: str, clients: int, rounds: int, max_tokens: int) -> dict:
     """`clients` concurrent clients, each sending `rounds` requests one after another."""
-    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+    # no kept-alive connections: llama-server closes an idle one after a few seconds, and a request sent on
+    # it as it closes fails with "Server disconnected"; a new connection per request costs both servers alike
+    async with httpx.AsyncClient(base_url=url, timeout=900,
+                                 limits=httpx.Limits(max_keepalive_connections=0)) as client:
         steps0, rows0 = await _batch_counters(client)
         async def one_client(c: int) -> list[dict]:
             return [await one_request(client, model, PROMPTS[(c * rounds + i) % len(PROMPTS)], max_tokens)

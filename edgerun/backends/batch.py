@@ -19,6 +19,7 @@ models measured, as for speculative verification).
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -55,6 +56,8 @@ class BatchGroup:
         self._active = 0               # members inside a generation
         self._executing = False
         self._engine = threading.Lock()    # held around every llama.cpp call on the shared contexts
+        # the one thread that runs every batched evaluation (llama.cpp's OpenMP team stays the same)
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgerun-engine")
         self.n_steps = 0               # batches evaluated, and rows in them (sequences x positions)
         self.n_rows = 0
 
@@ -118,6 +121,10 @@ class BatchGroup:
             raise req.error
         return req.out
 
+    def close(self) -> None:
+        """Stop the engine thread (after the evaluation in progress, if any)."""
+        self._engine_thread.shutdown(wait=True)
+
     def truncate(self, backend, seq: int, n: int) -> None:
         with self._engine:
             backend.truncate_seq(seq, n)
@@ -138,7 +145,8 @@ class BatchGroup:
         try:
             try:
                 with self._engine:
-                    outs = backend.eval_rows([(r.seq, r.tokens, r.k) for r in batch])
+                    outs = self._engine_thread.submit(backend.eval_rows,
+                                                      [(r.seq, r.tokens, r.k) for r in batch]).result()
                 for r, out in zip(batch, outs):
                     r.out = out
             except BaseException as exc:       # every row of a failed batch gets the error
