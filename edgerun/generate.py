@@ -247,7 +247,8 @@ def generate(
                 break
             gamma = 0
             if drafter is not None:
-                gamma = min(policy.choose(drafter.hint(committed, last)), limit - len(committed) - 1, room)
+                hint = drafter.hint(committed, last)
+                gamma = min(policy.choose(hint, drafter.lag(committed)), limit - len(committed) - 1, room)
             t0 = time.perf_counter()
             base = len(committed) - stats.n_prompt_tokens      # generated tokens: what the constraint holds
             draft, q = drafter.propose(committed, gamma, sampling, rng, constraint) if gamma > 0 else ([], None)

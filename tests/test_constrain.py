@@ -231,6 +231,9 @@ class _Checking:
     def hint(self, context, logits=None):
         return self.inner.hint(context, logits)
 
+    def lag(self, context):
+        return self.inner.lag(context)
+
     def propose(self, context, gamma, sampling, rng, constraint=None):
         assert self.c.tokens == list(context[self.prompt_len:])
         self.checked += 1
@@ -344,6 +347,9 @@ class _Truncating:
 
     def hint(self, context, logits=None):
         return 0
+
+    def lag(self, context):
+        return self.inner.lag(context)
 
     def propose(self, context, gamma, sampling, rng, constraint=None):
         toks, q = self.inner.propose(context, gamma, sampling, rng)          # unconstrained q

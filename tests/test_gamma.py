@@ -394,3 +394,56 @@ def test_warm_up_drafts_the_gamma_the_curve_favours_and_is_bounded_over_classes(
             t.observe(g, 0, g * 0.002, tv[g])            # every draft rejected: speculation never pays
     assert forced and forced[0] == 3
     assert len(forced) <= TunerSettings().warmup_total + t.n_explored
+
+
+def _off_loop(tuner: GammaTuner, tv, td: float, sync: float, cycles: int, with_lag: bool) -> float:
+    """Speculation learned off (acceptance 0.2); a model drafter whose cache falls one position behind per
+    plain cycle and catches up (sync seconds per position) at its next draft. Returns the loop's seconds
+    over plain decoding's."""
+    rng = np.random.default_rng(5)
+    lag, spent = 1, 0.0
+    for _ in range(cycles):
+        g = tuner.choose(0, lag if with_lag else 0)
+        t_draft = g * td + max(lag - 2, 0) * sync if g else 0.0
+        j = 0
+        while j < g and rng.random() < 0.2:
+            j += 1
+        tuner.observe(g, j, t_draft, tv[g])
+        spent += t_draft + tv[g]
+        lag = 1 if g else lag + 1
+    return spent / (cycles * tv[0])
+
+
+def test_exploration_pays_the_drafters_catch_up():
+    # CPU pair, speculation off: an exploratory draft after n plain cycles first evaluates n positions on
+    # the drafter (about half a draft step each), which alone costs far more than the 1% budget; priced
+    # in, exploration stops; ignoring the catch-up (the wrong variant), it costs several per cent
+    tv, td = CASES["cpu-1.5b-target-0.5b-drafter"]
+    priced, blind = (GammaTuner(CostCurve(tv, td), gamma_max=8) for _ in range(2))
+    for t in (priced, blind):
+        feed(t, 4, 0.2, tv, td, 300)
+        assert t.choose() == 0
+        t.n_explored = 0
+    slow_p = _off_loop(priced, tv, td, 0.5 * td, 4000, with_lag=True)
+    slow_b = _off_loop(blind, tv, td, 0.5 * td, 4000, with_lag=False)
+    assert priced.n_explored == 0 and slow_p == pytest.approx(1.0)
+    assert blind.n_explored > 0 and slow_b > 1.02
+
+
+def test_catch_up_cost_is_learned_from_draft_times():
+    tv, td = CASES["cpu-1.5b-target-0.5b-drafter"]
+    t = GammaTuner(CostCurve(tv, td), gamma_max=8)
+    prior = t.t_sync()
+    true_sync = 0.1 * td                           # a drafter whose batched catch-up is cheap (a GPU-like one)
+    for _ in range(60):
+        t.choose(0, 102)
+        t.observe(2, 1, 2 * td + 100 * true_sync, tv[2])
+    assert prior > 0.3 * td and t.t_sync() == pytest.approx(true_sync, rel=0.1)
+    assert t.t_draft() == pytest.approx(td, rel=0.01)        # the draft step's estimate is left alone
+    # persisted with the rest, and a store written before it existed still restores (with the prior)
+    state = t.state()
+    u = GammaTuner(CostCurve(tv, td), gamma_max=8)
+    assert u.restore(json.loads(json.dumps(state))) and u.t_sync() == pytest.approx(t.t_sync())
+    del state["_sync_ratio"]
+    w = GammaTuner(CostCurve(tv, td), gamma_max=8)
+    assert w.restore(state) and w.t_sync() == pytest.approx(prior)

@@ -48,6 +48,11 @@ class Drafter(Protocol):
 
     def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None: ...
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Positions the drafter must evaluate before its first draft after `context` (its cache's
+        catch-up; 0 for a model-free drafter). An estimate, O(1): the tuner prices exploration with it."""
+        ...
+
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
                 rng: np.random.Generator, constraint: Constraint | None = None
                 ) -> tuple[list[int], np.ndarray | None]: ...
@@ -153,6 +158,10 @@ class ModelDrafter:
         """A model always has a draft to offer; its class is the target's margin at the last position
         (margin_class): drafts after a clear choice are accepted far more often."""
         return margin_class(logits)
+
+    def lag(self, context: Sequence[int]) -> int:
+        # the cache holds a prefix of the context (plus, after a rejection, drafts that propose() rolls back)
+        return max(len(context) - len(self.backend.tokens), 1)
 
     def _top_prob(self, logits: np.ndarray) -> float:
         """Largest softmax probability of the raw logits (temperature 1): the drafter's confidence."""
@@ -271,6 +280,9 @@ class PromptLookupDrafter:
             return None
         k = m[1]
         return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
+
+    def lag(self, context: Sequence[int]) -> int:
+        return 0
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
                 rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], None]:

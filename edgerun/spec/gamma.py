@@ -28,6 +28,15 @@ most 1% of the decode time, so a change in the text can turn speculation back on
 neighbouring gamma while it is on, so the observed costs stay honest where the prior curve was
 wrong. A switch needs a predicted gain over the current gamma (hysteresis), so gamma does not
 oscillate between near-equal choices.
+
+A model drafter's cache is not advanced while speculation is off: its next draft first evaluates every
+position since its last one (`Drafter.lag`, the catch-up), and that cost grows with the gap. The tuner
+prices it (seconds per caught-up position, learned from the draft times it observes; before any, the
+target's cost curve per row at its largest measured batch): an exploratory draft runs only when the
+exploration budget earned since the last one also pays the catch-up, so a drafter whose catch-up alone
+costs more than the budget is not explored while off (its learned state, persisted per device and pair,
+decides), and a switch from off to on needs the predicted gain over the next explore_every cycles to
+repay it.
 """
 
 from __future__ import annotations
@@ -50,8 +59,9 @@ WARMUP_ALPHA = 0.8     # acceptance the warm-up gamma is chosen for (a drafter w
 class GammaPolicy(Protocol):
     """What the decode loop needs from a draft-length policy."""
 
-    def choose(self, hint: int | None = 0) -> int:
-        """gamma for the next cycle; hint is the drafter's class for the context (None: 0, nothing to draft)."""
+    def choose(self, hint: int | None = 0, lag: int = 0) -> int:
+        """gamma for the next cycle; hint is the drafter's class for the context (None: 0, nothing to draft),
+        lag the positions the drafter must catch up on before drafting (Drafter.lag)."""
         ...
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
@@ -65,7 +75,7 @@ class FixedGamma:
     def __init__(self, gamma: int) -> None:
         self.gamma = gamma
 
-    def choose(self, hint: int | None = 0) -> int:
+    def choose(self, hint: int | None = 0, lag: int = 0) -> int:
         return 0 if hint is None else self.gamma
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
@@ -140,6 +150,9 @@ class GammaTuner:
         self._curve = np.array([np.nan] + [cost.verify(n) for n in range(1, n_tab)])   # index n = 1..G + 1
         self._td_ratio = 1.0
         self._t_miss = 0.0
+        # catch-up cost per position / draft step: prior from the curve's cost per row at its largest batch
+        self._sync_ratio = float(self._curve[G + 1] / ((G + 1) * self._curve[1]))
+        self._lag = 0                           # the drafter's catch-up before the cycle being run
         # the policy's state per class: gamma in force, cycles since the last exploration, drafting
         # cycles seen (warm-up), exploration interval while speculation is on
         g0 = int(np.argmax(self.rates(0)))
@@ -174,7 +187,7 @@ class GammaTuner:
     # -- what was learned, to persist between processes (spec/tuner_store.py) --------------------
     _ARRAYS = ("_acc", "_seen", "_asked", "_got", "_shape", "_shape_n", "_current", "_n_drafting",
                "_explore_interval", "_since_explore")
-    _SCALARS = ("_load", "_td_ratio", "_t_miss")
+    _SCALARS = ("_load", "_td_ratio", "_t_miss", "_sync_ratio")
 
     def state(self) -> dict:
         """Everything learned online (acceptance and supply counts, time corrections, the gamma in force
@@ -196,7 +209,8 @@ class GammaTuner:
                 if a.shape != cur.shape or not np.isfinite(a).all() or (a < 0).any():
                     return False
                 arrays[name] = a
-            scalars = {name: float(state[name]) for name in self._SCALARS}
+            # a store written before _sync_ratio existed keeps the prior
+            scalars = {name: float(state[name]) for name in self._SCALARS if name != "_sync_ratio" or name in state}
         except (KeyError, TypeError, ValueError):
             return False
         if not all(np.isfinite(v) and v >= 0 for v in scalars.values()) or scalars["_load"] <= 0 \
@@ -260,9 +274,17 @@ class GammaTuner:
     def t_draft(self) -> float:
         return self.cost.t_draft * self._td_ratio
 
-    def rates(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
-        """Predicted tokens/s for gamma = 0..gamma_max in a hint class (vectorised: runs every cycle);
-        with rng, for acceptance drawn from its posterior."""
+    def t_sync(self) -> float:
+        """Seconds per position of the drafter's catch-up."""
+        return self.t_draft() * self._sync_ratio
+
+    def _catch_up(self, lag: int) -> float:
+        """Seconds of catch-up beyond a speculating cycle's own (its first draft step evaluates up to two
+        positions: the last accepted draft's successor and the target's token)."""
+        return max(lag - 2, 0) * self.t_sync()
+
+    def _cycle(self, hint: int = 0, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted tokens and seconds of a cycle asking for gamma = 0..gamma_max drafts (index gamma)."""
         a, s = self.acceptance(hint, rng), self.supply(hint)
         D = np.concatenate([[1.0], np.cumprod(s)])          # D [G + 1]: P(at least k drafted | asked >= k)
         A = np.cumprod(s * a)                               # A [G]: P(positions 1..k drafted and accepted)
@@ -271,16 +293,23 @@ class GammaTuner:
         stop_before = np.concatenate([[0.0], np.cumsum((D[:-1] - D[1:]) * tv[:-1])])   # [G + 1], index g
         cost = (self.t_draft() * np.concatenate([[0.0], np.cumsum(D[1:])])
                 + stop_before + D * tv + (D[0] - D[1]) * self._t_miss)                 # cost [G + 1]
+        cost[0] = tv[0]
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(A)])                         # tokens [G + 1]
-        out = tokens / cost
-        out[0] = 1.0 / tv[0]
-        return out
+        return tokens, cost
+
+    def rates(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Predicted tokens/s for gamma = 0..gamma_max in a hint class (vectorised: runs every cycle);
+        with rng, for acceptance drawn from its posterior."""
+        tokens, cost = self._cycle(hint, rng)
+        return tokens / cost
 
     # -- the policy --------------------------------------------------------------------------
-    def choose(self, hint: int | None = 0) -> int:
+    def choose(self, hint: int | None = 0, lag: int = 0) -> int:
         """gamma for the next cycle. hint: the drafter's class for this context (drafters.py), None
-        when it has nothing to offer (then 0: no cycle is spent asking)."""
+        when it has nothing to offer (then 0: no cycle is spent asking). lag: positions the drafter
+        must evaluate before its first draft (Drafter.lag; priced into exploration and switching on)."""
         self._hint = hint
+        self._lag = lag
         if hint is None:
             self._last = 0
             return 0
@@ -291,7 +320,8 @@ class GammaTuner:
         rates = self.rates(c, self._rng if self.settings.thompson else None)
         best = int(np.argmax(rates))
         cur = int(self._current[c])
-        if best != cur and rates[best] > rates[cur] * (1.0 + self.settings.hysteresis):
+        if best != cur and rates[best] > rates[cur] * (1.0 + self.settings.hysteresis) and \
+                (cur > 0 or self._repays_catch_up(rates, best, lag)):
             log.debug("class %d: gamma %d -> %d (predicted %.1f -> %.1f tok/s)", c, cur, best, rates[cur], rates[best])
             self._current[c] = cur = best
             self._explore_interval[c] = self.settings.explore_every
@@ -305,7 +335,7 @@ class GammaTuner:
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime)
             g = self.warmup_gamma or self._favoured_gamma()
-        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap(probe_g)):
+        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap(probe_g, lag)):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
             # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle).
             # Where the curve says even perfect acceptance cannot win, the draft is the length the curve
@@ -377,7 +407,13 @@ class GammaTuner:
                 self._load += k * (r / self._shape[n] - self._load)
                 self._shape[n] += max(self.settings.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
             self._shape_n[n] = cnt + 1
-        if m > 0 and self.cost.t_draft > 0:
+        excess = max(self._lag - 2, 0)            # positions caught up beyond a speculating cycle's own
+        if m > 0 and self.cost.t_draft > 0 and excess > 0:
+            # the draft steps at their current estimate, the rest is the catch-up's
+            r = max(t_draft - m * self.t_draft(), 0.0) / (excess * self.t_draft())
+            r = float(np.clip(r, self._sync_ratio / 2, self._sync_ratio * 2))
+            self._sync_ratio = (1 - k) * self._sync_ratio + k * r
+        elif m > 0 and self.cost.t_draft > 0:
             r = float(np.clip(t_draft / (m * self.cost.t_draft), self._td_ratio / 2, self._td_ratio * 2))
             self._td_ratio = (1 - k) * self._td_ratio + k * r
         elif m == 0 and asked > 0:
@@ -391,12 +427,23 @@ class GammaTuner:
         tokens = (1.0 - WARMUP_ALPHA ** (g + 1)) / (1.0 - WARMUP_ALPHA)            # Leviathan's E[tokens]
         return int(g[np.argmax(tokens / (g * self.t_draft() + self._tv_table()[1:]))])
 
-    def _off_gap(self, g: int = 1) -> float:
-        """Plain cycles between exploratory g-token drafts so that a losing draft costs at most
-        explore_budget of the decode time: (g T_draft + T_verify(g + 1) - T_verify(1)) / (budget x T_verify(1))."""
+    def _off_gap(self, g: int = 1, lag: int = 0) -> float:
+        """Plain cycles between exploratory g-token drafts so that a losing draft, with the drafter's
+        catch-up over `lag` positions, costs at most explore_budget of the decode time:
+        (g T_draft + T_verify(g + 1) - T_verify(1) + catch-up) / (budget x T_verify(1))."""
         tv = self._tv_table()
-        loss = max(g * self.t_draft() + tv[g] - tv[0], 0.0)
+        loss = max(g * self.t_draft() + tv[g] - tv[0], 0.0) + self._catch_up(lag)
         return loss / (self.settings.explore_budget * tv[0])
+
+    def _repays_catch_up(self, rates: np.ndarray, g: int, lag: int) -> bool:
+        """Whether switching speculation on at gamma g saves, over the next explore_every cycles at the
+        predicted rates, more than the drafter's catch-up costs."""
+        cost = self._catch_up(lag)
+        if cost <= 0.0:
+            return True
+        tokens = rates[g] * self._cycle(self._hint or 0)[1][g]        # tokens of one cycle at gamma g
+        saved = self.settings.explore_every * tokens * (1.0 / rates[0] - 1.0 / rates[g])
+        return bool(saved > cost)
 
     def _could_win(self) -> bool:
         """Whether some gamma beats plain decoding by the hysteresis margin if every draft were accepted."""
@@ -441,8 +488,8 @@ class BatchedGamma:
         self.n_lowered = 0            # cycles whose gamma was lowered because of the batch
         self._m = 1                   # sequences active when the current cycle's gamma was chosen
 
-    def choose(self, hint: int | None = 0) -> int:
-        g = self.tuner.choose(hint)
+    def choose(self, hint: int | None = 0, lag: int = 0) -> int:
+        g = self.tuner.choose(hint, lag)
         self._m = m = max(1, self.n_active())
         if g == 0 or m == 1:
             return g
