@@ -67,6 +67,28 @@ def test_greedy_batched_equals_alone(tiny_llama, draft, gamma):
         assert group.n_rows > group.n_steps          # some batch held rows of more than one position
 
 
+def test_every_batched_evaluation_runs_on_the_engine_thread(tiny_llama):
+    """llama.cpp's CPU backend runs a call on an OpenMP team of the calling thread (idle teams spin), so
+    the group makes every batched evaluation, of the target and of a model drafter, on its one engine
+    thread, never on the slot threads; closing the Runtime stops that thread."""
+    rt = _load(tiny_llama, 4, draft=str(tiny_llama), gamma=2)
+    callers: dict[str, set] = {"target": set(), "draft": set()}
+    for name, be in (("target", rt.target), ("draft", rt.drafter.backend)):
+        def spy(rows, _orig=be.eval_rows, _name=name):
+            callers[_name].add(threading.current_thread().name)
+            return _orig(rows)
+        be.eval_rows = spy
+    with rt:
+        slots = rt.slots()
+        _concurrently([lambda s=s, p=p: s.generate(p, max_tokens=16, temperature=0).text
+                       for s, p in zip(slots, PROMPTS)])
+        engine = slots[0].group._engine_thread
+        assert len(callers["target"]) == 1 and callers["target"] == callers["draft"]
+        assert next(iter(callers["target"])).startswith("edgerun-engine")
+    with pytest.raises(RuntimeError):            # shut down with the Runtime
+        engine.submit(lambda: None)
+
+
 def test_sampled_with_seeds_reproduce_batched(tiny_llama):
     """Sampled generations with fixed seeds: each sequence has its own rng, so the batched text is the
     alone text (and the seeds differ, so the texts do too)."""
