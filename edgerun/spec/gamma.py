@@ -278,10 +278,15 @@ class GammaTuner:
         """Seconds per position of the drafter's catch-up."""
         return self.t_draft() * self._sync_ratio
 
+    @staticmethod
+    def _excess(lag: int) -> int:
+        """Positions caught up beyond a speculating cycle's own (its first draft step evaluates up to two:
+        the last accepted draft's successor and the target's token)."""
+        return max(lag - 2, 0)
+
     def _catch_up(self, lag: int) -> float:
-        """Seconds of catch-up beyond a speculating cycle's own (its first draft step evaluates up to two
-        positions: the last accepted draft's successor and the target's token)."""
-        return max(lag - 2, 0) * self.t_sync()
+        """Seconds of that catch-up."""
+        return self._excess(lag) * self.t_sync()
 
     def _cycle(self, hint: int = 0, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Predicted tokens and seconds of a cycle asking for gamma = 0..gamma_max drafts (index gamma)."""
@@ -407,7 +412,7 @@ class GammaTuner:
                 self._load += k * (r / self._shape[n] - self._load)
                 self._shape[n] += max(self.settings.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
             self._shape_n[n] = cnt + 1
-        excess = max(self._lag - 2, 0)            # positions caught up beyond a speculating cycle's own
+        excess = self._excess(self._lag)
         if m > 0 and self.cost.t_draft > 0 and excess > 0:
             # the draft steps at their current estimate, the rest is the catch-up's
             r = max(t_draft - m * self.t_draft(), 0.0) / (excess * self.t_draft())
