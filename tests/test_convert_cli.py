@@ -146,6 +146,20 @@ def test_nan_or_zero_scales(runner, tmp_path, bad):
     refused(runner, d, tmp_path / "o.gguf", "NaN, infinite or zero scales")
 
 
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"])
+def test_nan_in_a_float16_tensor(runner, tmp_path, name):
+    """F16 tensors are copied to the GGUF as stored (no float32 copy): still checked for NaN."""
+    d = copy("awq-gemm-llama", tmp_path)
+
+    def poison(t):
+        assert t[name].dtype == np.float16
+        w = t[name].copy()
+        w.reshape(-1)[-1] = np.nan
+        t[name] = w
+    edit_tensors(d, poison)
+    refused(runner, d, tmp_path / "o.gguf", f"tensor {name} has NaN/inf values")
+
+
 def test_codes_out_of_range(runner, tmp_path):
     """GPTQ v1 stores z - 1: a stored 15 would be z = 16."""
     d = copy("gptq-llama", tmp_path)

@@ -133,6 +133,26 @@ class Int4Checkpoint:
                 w = permute_qk(w, n_heads)
         return w
 
+    def float16_stored(self, name: str) -> np.ndarray | None:
+        """A float tensor stored as F16 in the checkpoint, as its F16 values read in place (no float32 copy:
+        the embedding of a 0.5B model is 272 MB as F16, twice that as float32), or None where the tensor is
+        quantized, not F16, or permuted on the way to GGUF. Checked like `weight`."""
+        cfg = self.cfg
+        if self.is_quantized(name) or self.float_dtype(name) != "F16":
+            return None
+        if cfg.spec.permute_qk and (".attn_q." in name or ".attn_k." in name):
+            return None
+        hn = hf_name(cfg, name)
+        want = (cfg.n_embd,) if name == "output_norm.weight" else tensor_shape(cfg, name)
+        w = self.st.raw(hn)
+        if tuple(w.shape) != tuple(want):
+            raise ModelFormatError(f"{self.path}: tensor {hn} has shape {list(w.shape)}; expected {list(want)}")
+        flat = w.reshape(-1)
+        for i in range(0, flat.size, 1 << 22):              # 8 MB at a time
+            if not np.isfinite(flat[i:i + (1 << 22)]).all():
+                raise ModelFormatError(f"{self.path}: tensor {hn} has NaN/inf values; expected finite weights")
+        return w
+
     def tensor(self, name: str) -> np.ndarray:
         """float32 of any tensor (INT4 weights dequantized)."""
         w = self.weight(name)

@@ -153,7 +153,9 @@ def _to_gguf(ckpt: Int4Checkpoint, out: Path, report: ConvertReport, exact: bool
 
     def data():
         for i, n in enumerate(names):
-            w = ckpt.weight(n)
+            w = ckpt.float16_stored(n) if types[n] == "f16" else None
+            if w is None:
+                w = ckpt.weight(n)
             if isinstance(w, Int4):
                 t, raw, st = store(n, w, exact)
                 if t != types[n]:
@@ -161,7 +163,7 @@ def _to_gguf(ckpt: Int4Checkpoint, out: Path, report: ConvertReport, exact: bool
                 report.add(st)
                 yield raw
             else:
-                yield w.astype(np.float16) if types[n] == "f16" else np.ascontiguousarray(w, dtype=np.float32)
+                yield np.ascontiguousarray(w, dtype=np.float16 if types[n] == "f16" else np.float32)
             if progress is not None:
                 progress(n, i + 1, len(names))
 
