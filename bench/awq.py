@@ -27,9 +27,10 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,15 +68,36 @@ def score_texts(path: Path, texts: dict[str, str], windows: int, threads: int) -
 
 def run_child(cmd: list[str]) -> dict:
     """Run a command; return wall seconds, CPU seconds and peak RSS (MB) of that child."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # this child's own rusage (wait4): RUSAGE_CHILDREN's ru_maxrss is the largest of all children so far
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        anon = [0, 0]
+
+        # peak anonymous memory and peak RSS, sampled: a child's ru_maxrss starts from the parent's RSS at fork
+        def sample() -> None:
+            while p.returncode is None:
+                try:
+                    with open(f"/proc/{p.pid}/status") as f:
+                        kb = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith("Rss")}
+                    anon[0] = max(anon[0], kb.get("RssAnon", 0))
+                    anon[1] = max(anon[1], kb.get("RssAnon", 0) + kb.get("RssFile", 0))
+                except (OSError, ValueError):
+                    return
+                time.sleep(0.02)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        sampler.join()
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return {"wall_s": wall, "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-            "peak_rss_mb": after.ru_maxrss / 1024, "stdout": p.stdout}
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}):\n{stderr[-3000:]}")
+    return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "peak_rss_mb": anon[1] / 1024,
+            "peak_anon_mb": anon[0] / 1024, "stdout": stdout}
 
 
 def quantize(src: Path, out: Path, method: str, fmt: str, calib: str) -> dict:
