@@ -230,3 +230,35 @@ def test_batched_gamma_turns_speculation_off_where_the_batch_fills_the_compute()
             got[m] = policy.choose(0)
             assert tuner._last == 4, "the tuner itself chose 4 (not an exploration cycle)"
         assert got == expect
+
+
+def test_rows_reach_llama_cpp_in_sequence_order(tiny_llama, monkeypatch):
+    """llama.cpp's split_equal takes consecutive sequence ids into one ubatch: rows posted out of order
+    (2, 0, 3, 1) are handed over in ascending order, and each row still gets its own logits."""
+    from edgerun import llama_lib
+    from edgerun.config import BackendArgs
+
+    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    ref = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    try:
+        for b in (be, ref):
+            for s in range(4):
+                b.eval_rows([(s, [1 + s, 2 + s, 3 + s], 1)])
+        L = llama_lib.lib()
+        seen = []
+        decode = L.llama_decode
+
+        def spy(ctx, batch):
+            seen.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+            return decode(ctx, batch)
+        monkeypatch.setattr(L, "llama_decode", spy)
+        order = [2, 0, 3, 1]
+        outs = be.eval_rows([(s, [10 + s, 20 + s], 2) for s in order])
+        monkeypatch.setattr(L, "llama_decode", decode)
+        assert seen == [[0, 0, 1, 1, 2, 2, 3, 3]]
+        for s, out in zip(order, outs):        # each row's logits are its own sequence's, alone
+            alone = ref.eval_rows([(s, [10 + s, 20 + s], 2)])[0]
+            np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
+    finally:
+        be.close()
+        ref.close()

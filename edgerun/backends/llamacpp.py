@@ -107,9 +107,14 @@ class LlamaCppBackend:
         L = llama_lib.lib()
         outs = [np.empty((k, self.n_vocab), dtype=np.float32) for _, _, k in rows]
         filled = [0] * len(rows)
-        # the flat list of positions: (row index, token, position in its sequence, wants logits)
+        # the flat list of positions: (row index, token, position in its sequence, wants logits), in order of
+        # sequence id. With one KV stream per sequence llama.cpp splits a batch with split_equal(sequential):
+        # a ubatch takes sequences only while each id is the previous one + 1, so 4 single rows posted in the
+        # order 2, 0, 3, 1 ran as 3 ubatches, 25-30 ms against 21 ms in the order 0, 1, 2, 3 (SmolLM2, 2
+        # threads; bench/batch_steps.py). Ids with a gap (an idle slot between) still split there.
         flat = []
-        for r, (seq, toks, k) in enumerate(rows):
+        for r in sorted(range(len(rows)), key=lambda i: rows[i][0]):
+            seq, toks, k = rows[r]
             base, n = len(self._seqs[seq]), len(toks)
             flat.extend((r, tok, base + i, i >= n - k) for i, tok in enumerate(toks))
         b = self._batch
