@@ -118,13 +118,17 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return {"ttft": ttft, "tokens": usage if usage is not None else chunks}
 
 
-async def _batch_counters(client: httpx.AsyncClient) -> tuple[float, float]:
-    """edgerun's (batched evaluations, rows in them) so far; (0, 0) for a server without them."""
+BATCH_COUNTERS = ("edgerun_batch_steps_total", "edgerun_batch_rows_total", "edgerun_batch_eval_seconds_total")
+
+
+async def _batch_counters(client: httpx.AsyncClient) -> tuple[float, float, float]:
+    """edgerun's (batched evaluations, rows in them, seconds inside them) so far; zeros for a server
+    without them."""
     r = await client.get("/metrics")
     text = r.text if r.status_code == 200 else ""
     vals = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(("edgerun_batch_steps_total ", "edgerun_batch_rows_total "))}
-    return vals.get("edgerun_batch_steps_total", 0.0), vals.get("edgerun_batch_rows_total", 0.0)
+            if line.split(" ")[0] in BATCH_COUNTERS}
+    return tuple(vals.get(k, 0.0) for k in BATCH_COUNTERS)
 
 
 async def level(url: str, model: str, clients: int, rounds: int, max_tokens: int) -> dict:
@@ -133,19 +137,20 @@ async def level(url: str, model: str, clients: int, rounds: int, max_tokens: int
     # it as it closes fails with "Server disconnected"; a new connection per request costs both servers alike
     async with httpx.AsyncClient(base_url=url, timeout=900,
                                  limits=httpx.Limits(max_keepalive_connections=0)) as client:
-        steps0, rows0 = await _batch_counters(client)
+        steps0, rows0, eval0 = await _batch_counters(client)
         async def one_client(c: int) -> list[dict]:
             return [await one_request(client, model, PROMPTS[(c * rounds + i) % len(PROMPTS)], max_tokens)
                     for i in range(rounds)]
         t0 = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(one_client(c) for c in range(clients))) for r in rs]
         wall = time.perf_counter() - t0
-        steps1, rows1 = await _batch_counters(client)
+        steps1, rows1, eval1 = await _batch_counters(client)
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": wall,
             "tok_s": tokens / wall, "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
-            "rows_per_batch": (rows1 - rows0) / (steps1 - steps0) if steps1 > steps0 else None}
+            "rows_per_batch": (rows1 - rows0) / (steps1 - steps0) if steps1 > steps0 else None,
+            "eval_share": (eval1 - eval0) / wall if steps1 > steps0 else None}
 
 
 def main() -> None:
@@ -192,19 +197,19 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
-          "llama-server TTFT p50 / p95 s | edgerun rows per batch |")
-    print("|---|---|---|---|---|---|---|---|")
+          "llama-server TTFT p50 / p95 s | edgerun rows per batch | edgerun wall in batched evals |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, cfg in report["configs"].items():
         for row in cfg["levels"]:
             e, ls = row["edgerun"], row["llama-server"]
             print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {e['tok_s'] / ls['tok_s']:.2f} | "
                   f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
-                  f"{e['rows_per_batch'] or 0:.2f} |")
+                  f"{e['rows_per_batch'] or 0:.2f} | {e.get('eval_share') or 0:.0%} |")
         p1 = cfg["levels"][0].get("edgerun-p1")
         if p1:
             e = cfg["levels"][0]["edgerun"]
             print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {e['tok_s'] / p1['tok_s']:.2f}"
-                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | |")
+                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
     print(f"\nwritten {out}")
 
 

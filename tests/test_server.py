@@ -599,6 +599,7 @@ def test_concurrent_requests_are_batched_and_each_equals_its_answer_alone(tiny_l
         assert group.n_rows > group.n_steps            # batches held rows of several sequences
         assert _metric(srv.url, "edgerun_slots") == 4
         assert _metric(srv.url, "edgerun_batch_rows_total") > _metric(srv.url, "edgerun_batch_steps_total") > 0
+        assert 0 < _metric(srv.url, "edgerun_batch_eval_seconds_total") == pytest.approx(group.eval_s)
 
 
 def test_a_disconnect_mid_batch_frees_its_slot_and_leaves_the_others_untouched(tiny_llama):

@@ -19,6 +19,7 @@ models measured, as for speculative verification).
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
@@ -60,6 +61,7 @@ class BatchGroup:
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgerun-engine")
         self.n_steps = 0               # batches evaluated, and rows in them (sequences x positions)
         self.n_rows = 0
+        self.eval_s = 0.0              # wall time inside those evaluations
 
     @property
     def n_active(self) -> int:
@@ -125,6 +127,13 @@ class BatchGroup:
         """Stop the engine thread (after the evaluation in progress, if any)."""
         self._engine_thread.shutdown(wait=True)
 
+    def _timed(self, backend, rows):
+        t0 = time.perf_counter()
+        try:
+            return backend.eval_rows(rows)
+        finally:
+            self.eval_s += time.perf_counter() - t0
+
     def truncate(self, backend, seq: int, n: int) -> None:
         with self._engine:
             backend.truncate_seq(seq, n)
@@ -145,7 +154,7 @@ class BatchGroup:
         try:
             try:
                 with self._engine:
-                    outs = self._engine_thread.submit(backend.eval_rows,
+                    outs = self._engine_thread.submit(self._timed, backend,
                                                       [(r.seq, r.tokens, r.k) for r in batch]).result()
                 for r, out in zip(batch, outs):
                     r.out = out

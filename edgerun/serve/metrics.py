@@ -87,7 +87,7 @@ class Metrics:
             self.gamma = gamma
 
     def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool, slots: int = 1,
-               running: int | None = None, batch: tuple[int, int] = (0, 0)) -> str:
+               running: int | None = None, batch: tuple[int, int, float] = (0, 0, 0.0)) -> str:
         """The exposition text. Live values (queue, readiness) are passed in by the caller."""
         with self._lock:
             out: list[str] = []
@@ -136,6 +136,9 @@ class Metrics:
                    [("", batch[0])])
             metric("edgerun_batch_rows_total", "counter", "Rows (positions of all sequences) in those evaluations.",
                    [("", batch[1])])
+            metric("edgerun_batch_eval_seconds_total", "counter",
+                   "Wall time inside those evaluations (llama_decode and the logits copies).",
+                   [("", batch[2])])
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"

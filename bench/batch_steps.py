@@ -1,0 +1,118 @@
+"""Where a batched server's time goes: every batched evaluation of N concurrent chat requests (in one
+process, no HTTP), against the same evaluation shape measured alone.
+
+    python bench/batch_steps.py [--model smollm2-135m-instruct] [--slots 4] [--threads 2] [--rounds 3]
+
+Part 1 runs `--slots` concurrent greedy chat requests (bench/serve.py's prompts, 2 per slot, 64 tokens)
+through `Runtime.slots()` and records, per batched evaluation, its shape (sequences, rows) and the time in
+`eval_rows` and in `llama_decode` itself; it prints the wall time, the share inside llama_decode and the
+median time per shape. Part 2 evaluates the most frequent shape (one row per sequence) on the same
+backend from the main thread and from the group's engine thread, with sequences at 40-130 positions, with
+nothing else running. Writes bench/results/batch_steps.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from serve import PROMPTS  # noqa: E402
+
+from edgerun import llama_lib  # noqa: E402
+from edgerun.runtime import load  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "batch_steps.json"))
+    a = ap.parse_args()
+    rt = load(a.model, draft="none", n_threads=a.threads, n_ctx=1024, parallel=a.slots, pull=False)
+    slots = rt.slots()
+    group = slots[0].group
+    be = group.backends[0]
+    L = llama_lib.lib()
+    decode, eval_rows = L.llama_decode, be.eval_rows
+    log: list = []
+    dec: list = []
+
+    def timed_decode(ctx, batch):
+        t = time.perf_counter()
+        rc = decode(ctx, batch)
+        dec.append(time.perf_counter() - t)
+        return rc
+
+    def timed_eval(rows):
+        t = time.perf_counter()
+        out = eval_rows(rows)
+        log.append((len(rows), sum(len(r[1]) for r in rows), time.perf_counter() - t))
+        return out
+
+    L.llama_decode, be.eval_rows = timed_decode, timed_eval
+    res: dict = {"args": vars(a), "rounds": []}
+
+    def serve(i: int, s) -> None:
+        for j in range(2):
+            s.chat([{"role": "user", "content": PROMPTS[(2 * i + j) % len(PROMPTS)]}], max_tokens=64, temperature=0)
+
+    for r in range(a.rounds):
+        log.clear()
+        dec.clear()
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=serve, args=(i, s)) for i, s in enumerate(slots)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        shapes = collections.defaultdict(list)
+        for seqs, rows, dt in log:
+            shapes[(seqs, rows)].append(dt)
+        row = {"wall_s": wall, "eval_s": sum(x[2] for x in log), "decode_s": sum(dec), "evals": len(log),
+               "shapes": {f"{k[0]} seqs x {k[1]} rows": {"n": len(v), "median_ms": 1e3 * float(np.median(v))}
+                          for k, v in sorted(shapes.items())}}
+        res["rounds"].append(row)
+        print(f"round {r}: wall {wall:.2f} s, {row['decode_s'] / wall:.0%} inside llama_decode, {len(log)} evals")
+        for k, v in row["shapes"].items():
+            if v["n"] > 2:
+                print(f"   {k}: {v['n']} evals, median {v['median_ms']:.2f} ms")
+    L.llama_decode, be.eval_rows = decode, eval_rows
+    rng = np.random.default_rng(0)
+    alone = {}
+    for where in ("main thread", "engine thread", "main thread again"):
+        for s in range(a.slots):
+            be.truncate_seq(s, 0)
+            be.eval_rows([(s, [int(x) for x in rng.integers(100, 20000, 40)], 1)])
+        ts = []
+        for _ in range(90):
+            rows = [(s, [int(rng.integers(100, 20000))], 1) for s in range(a.slots)]
+            t = time.perf_counter()
+            if where == "engine thread":
+                group._engine_thread.submit(be.eval_rows, rows).result()
+            else:
+                be.eval_rows(rows)
+            ts.append(time.perf_counter() - t)
+        alone[where] = 1e3 * float(np.median(ts))
+        print(f"alone, {where}: {a.slots} seqs x 1 row, median {alone[where]:.2f} ms")
+    res["alone_ms"] = alone
+    rt.close()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
