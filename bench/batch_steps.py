@@ -35,17 +35,19 @@ from edgerun.runtime import load  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default="none", help="drafter (a model: its batched evaluations are shown too)")
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "batch_steps.json"))
     a = ap.parse_args()
-    rt = load(a.model, draft="none", n_threads=a.threads, n_ctx=1024, parallel=a.slots, pull=False)
+    rt = load(a.model, draft=a.draft, n_threads=a.threads, n_ctx=1024, parallel=a.slots, pull=False)
     slots = rt.slots()
     group = slots[0].group
-    be = group.backends[0]
+    be = group.backends[-1]                    # the target (a drafter's context comes first)
     L = llama_lib.lib()
-    decode, eval_rows = L.llama_decode, be.eval_rows
+    decode = L.llama_decode
+    originals = {id(b): b.eval_rows for b in group.backends}
     log: list = []
     dec: list = []
 
@@ -55,13 +57,17 @@ def main() -> None:
         dec.append(time.perf_counter() - t)
         return rc
 
-    def timed_eval(rows):
-        t = time.perf_counter()
-        out = eval_rows(rows)
-        log.append((len(rows), sum(len(r[1]) for r in rows), time.perf_counter() - t))
-        return out
+    def timed(b, label):
+        def timed_eval(rows):
+            t = time.perf_counter()
+            out = originals[id(b)](rows)
+            log.append((label, len(rows), sum(len(r[1]) for r in rows), time.perf_counter() - t))
+            return out
+        return timed_eval
 
-    L.llama_decode, be.eval_rows = timed_decode, timed_eval
+    L.llama_decode = timed_decode
+    for b in group.backends:
+        b.eval_rows = timed(b, "target" if b is be else "drafter")
     res: dict = {"args": vars(a), "rounds": []}
 
     def serve(i: int, s) -> None:
@@ -79,17 +85,20 @@ def main() -> None:
             t.join()
         wall = time.perf_counter() - t0
         shapes = collections.defaultdict(list)
-        for seqs, rows, dt in log:
-            shapes[(seqs, rows)].append(dt)
-        row = {"wall_s": wall, "eval_s": sum(x[2] for x in log), "decode_s": sum(dec), "evals": len(log),
-               "shapes": {f"{k[0]} seqs x {k[1]} rows": {"n": len(v), "median_ms": 1e3 * float(np.median(v))}
+        for label, seqs, rows, dt in log:
+            shapes[(label, seqs, rows)].append(dt)
+        row = {"wall_s": wall, "eval_s": sum(x[3] for x in log), "decode_s": sum(dec), "evals": len(log),
+               "shapes": {f"{k[0]}: {k[1]} seqs x {k[2]} rows": {"n": len(v), "median_ms": 1e3 * float(np.median(v)),
+                                                                  "total_s": float(np.sum(v))}
                           for k, v in sorted(shapes.items())}}
         res["rounds"].append(row)
         print(f"round {r}: wall {wall:.2f} s, {row['decode_s'] / wall:.0%} inside llama_decode, {len(log)} evals")
         for k, v in row["shapes"].items():
-            if v["n"] > 2:
-                print(f"   {k}: {v['n']} evals, median {v['median_ms']:.2f} ms")
-    L.llama_decode, be.eval_rows = decode, eval_rows
+            if v["n"] > 2 or v["total_s"] > 0.05 * wall:
+                print(f"   {k}: {v['n']} evals, median {v['median_ms']:.2f} ms, total {v['total_s']:.2f} s")
+    L.llama_decode = decode
+    for b in group.backends:
+        b.eval_rows = originals[id(b)]
     rng = np.random.default_rng(0)
     alone = {}
     for where in ("main thread", "engine thread", "main thread again"):
