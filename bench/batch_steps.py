@@ -8,7 +8,8 @@ through `Runtime.slots()` and records, per batched evaluation, its shape (sequen
 `eval_rows` and in `llama_decode` itself; it prints the wall time, the share inside llama_decode and the
 median time per shape. Part 2 evaluates the most frequent shape (one row per sequence) on the same
 backend from the main thread and from the group's engine thread, with sequences at 40-130 positions, with
-nothing else running. Writes bench/results/batch_steps.json.
+nothing else running, and a few uneven shapes (one sequence verifying 4 rows beside single rows: two
+passes in llama.cpp). Writes bench/results/batch_steps.json.
 """
 
 from __future__ import annotations
@@ -117,6 +118,25 @@ def main() -> None:
         alone[where] = 1e3 * float(np.median(ts))
         print(f"alone, {where}: {a.slots} seqs x 1 row, median {alone[where]:.2f} ms")
     res["alone_ms"] = alone
+    # uneven rows: llama.cpp's split_equal gives every sequence of a ubatch the same rows, so a sequence
+    # verifying 4 rows beside 3 single rows costs about two passes (4 x 1, then 3 rows of one sequence)
+    shapes = {"4 seqs x 1 row": [(0, 1), (1, 1), (2, 1), (3, 1)], "1 seq x 3 rows": [(0, 3)],
+              "seq 0 x 4 rows + 3 seqs x 1 row": [(0, 4), (1, 1), (2, 1), (3, 1)],
+              "4 seqs x 2 rows (one pass)": [(0, 2), (1, 2), (2, 2), (3, 2)]}
+    uneven = {}
+    if a.slots >= 4:
+        for name, shape in shapes.items():
+            ts = []
+            for _ in range(40):
+                rows = [(s, [int(x) for x in rng.integers(100, 20000, k)], k) for s, k in shape]
+                t = time.perf_counter()
+                be.eval_rows(rows)
+                ts.append(time.perf_counter() - t)
+                for s, _k in shape:
+                    be.truncate_seq(s, 40)
+            uneven[name] = 1e3 * float(np.median(ts))
+            print(f"alone, {name}: median {uneven[name]:.2f} ms")
+    res["uneven_ms"] = uneven
     rt.close()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -208,17 +208,22 @@ def test_real_model_greedy_batched_equals_alone():
         assert group.n_rows > group.n_steps
 
 
-def test_batched_gamma_turns_speculation_off_where_the_batch_fills_the_compute():
-    """The batch-aware gamma: alone it is the tuner's choice; with several sequences active it drafts
-    only while the rows it adds cost less than the tokens they are expected to bring."""
+def test_batched_gamma_prices_the_second_pass_of_a_speculating_sequence():
+    """The batch-aware gamma: alone it is the tuner's choice; with m sequences active a speculating one's
+    step costs T(m) + T(gamma) (llama.cpp runs the m first rows, then its other gamma rows: split_equal gives
+    every sequence of a ubatch the same rows), and it drafts only where that second pass brings more tokens
+    than it costs. Expected values worked by hand (a drafter always right, t_draft 1 ms, gamma 0 or 4):
+    flat (every pass 10 ms): m=2: 2/10 ms = 200/s vs 6/24 ms = 250/s -> 4; m=3: 300 vs 7/24 = 292 -> 0.
+    knee (T(n) = 10 ms x max(1, n - 4)): m=4: 400 vs 8/24 = 333 -> 0; m=6: 300 vs 10/34 = 294 -> 0;
+    m=8: 200 vs 12/54 = 222 -> 4 (the batch is dear, the drafted rows' pass is not).
+    (Between 1 and 4 drafts the rate rises with gamma here, so 4 is the best one.) Priced as one pass of
+    T(m + gamma) instead, flat would draft 4 at every m and knee 1 at m=4."""
     from edgerun.device.cost import CostCurve
     from edgerun.spec.gamma import BatchedGamma, GammaTuner
 
-    flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)          # rows are free
-    # up to 5 rows cost one pass over the weights, then each row adds compute
+    flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)
     knee = CostCurve(t_verify=tuple(0.010 * max(1, n - 4) for n in range(1, 41)), t_draft=0.001)
-    # active sequences -> the gamma expected with each curve (the tuner alone drafts 4)
-    for curve, expect in ((flat, {1: 4, 4: 4, 8: 4}), (knee, {1: 4, 4: 1, 8: 0})):
+    for curve, expect in ((flat, {1: 4, 2: 4, 3: 0, 8: 0}), (knee, {1: 4, 2: 4, 4: 0, 6: 0, 8: 4})):
         tuner = GammaTuner(curve, gamma_max=4)
         for _ in range(50):                                 # a drafter that is always right
             tuner.observe(4, 4, 0.004, curve.verify(5))

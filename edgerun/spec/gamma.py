@@ -480,12 +480,15 @@ class BatchedGamma:
     """A sequence's gamma while it shares the target's batches with others (continuous batching).
 
     With one sequence active it is its tuner, unchanged. With m > 1 active, one step evaluates the
-    other m - 1 sequences' rows (taken as one each) with this sequence's gamma + 1: it yields
-    (m - 1) + tokens(gamma) tokens in T(m + gamma) + gamma x t_draft, from the measured cost curve of
-    a batch of rows T(rows) and the tuner's acceptance and supply model. The tuner's gamma is lowered
-    to the one that maximises that step's rate, down to 0 (speculation off) where the batch already
-    fills the compute. The tuner learns from what it observes, its verify time rescaled from the batch
-    it shared to the gamma + 1 rows it models."""
+    other m - 1 sequences' rows (taken as one each) with this sequence's gamma + 1. llama.cpp evaluates
+    such a batch in two passes: with one KV stream per sequence its split_equal gives every sequence of
+    a ubatch the same number of rows, so the m sequences' first rows go together and this sequence's
+    other gamma rows follow alone. The step yields (m - 1) + tokens(gamma) tokens in
+    T(m) + T(gamma) + gamma x t_draft (T(0) = 0), from the measured cost curve of a batch of rows T(rows)
+    and the tuner's acceptance and supply model. The tuner's gamma is lowered to the one that maximises
+    that step's rate, down to 0 (speculation off) where the extra pass costs more than its tokens bring.
+    The tuner learns from what it observes, its verify time rescaled from the batch it shared to the
+    gamma + 1 rows it models."""
 
     def __init__(self, tuner: GammaTuner, n_active: Callable[[], int]) -> None:
         self.tuner = tuner
@@ -502,14 +505,20 @@ class BatchedGamma:
         c = min(hint or 0, t.n_classes - 1)
         A = np.cumprod(t.supply(c) * t.acceptance(c))[:g]                     # A [g]: drafts 1..k all kept
         tokens = (m - 1) + 1.0 + np.concatenate([[0.0], np.cumsum(A)])         # tokens [g + 1], index gamma
-        cost = np.array([t.t_verify(m + k) + k * t.t_draft() for k in range(g + 1)])   # cost [g + 1]
+        cost = np.array([self.batch_cost(m, k) + k * t.t_draft() for k in range(g + 1)])   # cost [g + 1]
         best = int(np.argmax(tokens / cost))
         self.n_lowered += best < g
         return best
+
+    def batch_cost(self, m: int, k: int) -> float:
+        """Verify time of a step of m sequences, this one with k drafted rows: T(m) + T(k), two passes."""
+        t = self.tuner
+        return t.t_verify(m) + (t.t_verify(k) if k > 0 else 0.0)
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
         m = self._m
         if m > 1:                     # the batch's time, as the tuner's own gamma + 1 rows would take
             curve = self.tuner.cost
-            t_verify *= curve.verify(gamma + 1) / curve.verify(m + gamma)
+            both = curve.verify(m) + (curve.verify(gamma) if gamma > 0 else 0.0)
+            t_verify *= curve.verify(gamma + 1) / both
         self.tuner.observe(gamma, n_accepted, t_draft, t_verify)
