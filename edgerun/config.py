@@ -107,19 +107,22 @@ class QuantArgs:
     """Quantization settings for `edgerun quantize`."""
 
     method: str = "awq"             # awq | rtn
-    format: str = "q4_0"            # q4_0 | q4_1
+    format: str = "q4_0"            # q4_0 | q4_1 | iq4_nl | q4_k (rtn only)
     calib: str = "builtin"          # 'builtin' (CPython reference prose) or a text file path
     calib_tokens: int = 4096
-    embed_type: str = "q8_0"        # q8_0 | q4_0 (all-Q4_0 "pure": fastest verification on CPUs) | f16
+    embed_type: str = "q8_0"        # q8_0 | q4_0 | iq4_nl | q4_k (4-bit head: fastest verification on CPUs) | f16
     grid: int = 20
     seq_len: int = 512
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self.method in ("awq", "rtn"), f"method must be 'awq' or 'rtn', got {self.method!r}")
-        _check(self.format in ("q4_0", "q4_1"), f"format must be 'q4_0' or 'q4_1', got {self.format!r}")
-        _check(self.embed_type in ("q8_0", "q4_0", "f16"),
-               f"embed_type must be 'q8_0', 'q4_0' or 'f16', got {self.embed_type!r}")
+        _check(self.format in ("q4_0", "q4_1", "iq4_nl", "q4_k"),
+               f"format must be 'q4_0', 'q4_1', 'iq4_nl' or 'q4_k', got {self.format!r}")
+        _check(self.embed_type in ("q8_0", "q4_0", "iq4_nl", "q4_k", "f16"),
+               f"embed_type must be 'q8_0', 'q4_0', 'iq4_nl', 'q4_k' or 'f16', got {self.embed_type!r}")
+        _check(self.method == "rtn" or "q4_k" not in (self.format, self.embed_type),
+               "q4_k is stored by round-to-nearest only (AWQ searches q4_0, q4_1 and iq4_nl): use method 'rtn'")
         _check(isinstance(self.calib_tokens, int) and self.calib_tokens >= 64,
                f"calib_tokens must be an integer >= 64, got {self.calib_tokens!r}")
         _check(isinstance(self.grid, int) and self.grid >= 1, f"grid must be >= 1, got {self.grid!r}")

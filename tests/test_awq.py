@@ -30,6 +30,17 @@ def awq_q4_0(src_model, tmp_path_factory):
     return out, rep
 
 
+def _llamacpp_logits(llama_cpp, path, toks) -> np.ndarray:
+    """llama.cpp's logits [len(toks), n_vocab] for every position of toks (1 thread, flash attention)."""
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_batch=256, verbose=False, logits_all=True, n_threads=1,
+                          flash_attn=True)
+    try:
+        llm.eval(toks)
+        return np.array(llm.scores[:len(toks)], dtype=np.float64)
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("after_linear", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_scale_folding_keeps_float_model(tiny_model_factory, arch, after_linear):
@@ -198,7 +209,7 @@ def test_q4_1_block_search_weights_elements_by_default(tiny_model_factory):
     """Q4_1's default block search uses the per-element importance (ELEMENT_IMPORTANCE), Q4_0's not:
     the default run equals the explicit one, and the two weightings really store different blocks."""
     from edgerun.quant.pipeline import ELEMENT_IMPORTANCE
-    assert ELEMENT_IMPORTANCE == {"q4_0": False, "q4_1": True}
+    assert ELEMENT_IMPORTANCE == {"q4_0": False, "q4_1": True, "iq4_nl": False}
     p = tiny_model_factory(arch="llama", n_embd=128, n_ff=256, outlier_channels=4, seed=3)
     src = GGUFSource(p)
     tensors = {n: src.tensor(n) for n in src.tensor_names()}
@@ -247,3 +258,65 @@ def test_pure_q4_0_stores_embeddings_and_head_as_q4_0_byte_exact(src_model, tmp_
         expect = gguf.quants.quantize(src.tensor(t.name), gguf.GGMLQuantizationType.Q4_0)
         assert np.array_equal(np.asarray(t.data).reshape(expect.shape).view(np.uint8), expect.view(np.uint8)), t.name
     assert read_edgerun_metadata(out)["edgerun.quant.embed_type"] == "q4_0"
+
+
+def test_iq4_nl_file_is_the_simulated_model_and_runs_in_llamacpp(src_model, tmp_path):
+    """format/embed_type iq4_nl: every matrix stored as IQ4_NL (Q4_0's size, llama.cpp's non-uniform grid),
+    AWQ searched in that grid; llama.cpp computes what the numpy simulation of the stored blocks computes,
+    and the file is closer to the float model than the all-Q4_0 one made the same way."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    args = dict(ARGS, method="awq", embed_type="iq4_nl")
+    out = quantize(src_model, tmp_path / "iq4nl.gguf", QuantArgs(format="iq4_nl", **args)).out
+    q40 = quantize(src_model, tmp_path / "q40.gguf", QuantArgs(format="q4_0", **dict(args, embed_type="q4_0"))).out
+    src = GGUFSource(src_model)
+    mats = [t for t in gguf.GGUFReader(out).tensors if src.tensor(t.name).ndim == 2]
+    assert mats and all(t.tensor_type == gguf.GGMLQuantizationType.IQ4_NL for t in mats)
+    meta = read_edgerun_metadata(out)
+    assert meta["edgerun.quant.format"] == "iq4_nl" and meta["edgerun.quant.embed_type"] == "iq4_nl"
+    toks = list(range(60, 160))
+    flt = ReferenceModel.from_gguf(src_model).forward(toks)
+    sim = ReferenceModel.from_gguf(out).forward(toks)
+    sim_q40 = ReferenceModel.from_gguf(q40).forward(toks)
+    assert np.abs(flt - sim).mean() < np.abs(flt - sim_q40).mean()
+    assert np.abs(_llamacpp_logits(llama_cpp, out, toks) - sim).mean() < 0.25 * np.abs(flt - sim).mean()
+
+
+def test_q4_k_keeps_q4_k_tensors_byte_for_byte_and_runs_in_llamacpp(tiny_model_factory, tmp_path):
+    """format/embed_type q4_k (round-to-nearest): matrices become Q4_K super-blocks; a tensor the source
+    already stores as Q4_K is copied as stored (a Q4_K_M file keeps its Q4_K tensors exactly); llama.cpp
+    computes what the numpy simulation of the stored blocks computes."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    src = tiny_model_factory(arch="qwen2", n_embd=256, n_ff=512, seed=5)
+    args = QuantArgs(method="rtn", format="q4_k", embed_type="q4_k")
+    a = quantize(src, tmp_path / "a.gguf", args).out
+    mats = {t.name: t for t in gguf.GGUFReader(a).tensors if t.tensor_type != gguf.GGMLQuantizationType.F32}
+    assert mats and all(t.tensor_type == gguf.GGMLQuantizationType.Q4_K for t in mats.values())
+    for name, t in mats.items():                         # stored = our packing of the float source
+        expect = F.pack("q4_k", GGUFSource(src).tensor(name))
+        assert np.array_equal(np.asarray(t.data).reshape(expect.shape), expect), name
+    # a Q4_K source whose blocks our fit would not reproduce (random 6-bit sub-scales, as another
+    # quantizer may write them): every Q4_K matrix is copied as stored, not re-rounded
+    import shutil
+    shutil.copy(a, tmp_path / "a2.gguf")
+    r = gguf.GGUFReader(tmp_path / "a2.gguf", "r+")
+    t = next(t for t in r.tensors if t.name == "blk.0.ffn_down.weight")
+    rng = np.random.default_rng(0)
+    blocks = np.asarray(t.data).reshape(-1, 144)                                   # [n_superblocks, 144]
+    blocks[:, 4:] = rng.integers(0, 256, blocks[:, 4:].shape, dtype=np.uint8)     # scales, mins, codes
+    blocks[:, 0:2] = np.full(len(blocks), 4e-4, np.float16).view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:4] = np.full(len(blocks), 2e-4, np.float16).view(np.uint8).reshape(-1, 2)
+    t.data.flat[:] = blocks.reshape(-1)
+    r.data.flush()
+    odd = np.asarray(gguf.GGUFReader(tmp_path / "a2.gguf").get_tensor(
+        [x.name for x in r.tensors].index("blk.0.ffn_down.weight")).data).reshape(-1, 288)
+    assert not np.array_equal(F.pack("q4_k", F.unpack("q4_k", odd)), odd)   # re-rounding would change it
+    b = quantize(tmp_path / "a2.gguf", tmp_path / "b.gguf", args).out
+    src2 = {t.name: t for t in gguf.GGUFReader(tmp_path / "a2.gguf").tensors}
+    for t in gguf.GGUFReader(b).tensors:
+        if t.name in mats:
+            assert np.array_equal(np.asarray(t.data), np.asarray(src2[t.name].data)), t.name
+    toks = list(range(60, 160))
+    flt = ReferenceModel.from_gguf(src).forward(toks)
+    sim = ReferenceModel.from_gguf(a).forward(toks)
+    # llama.cpp rounds activations to 8 bits for the dot products: small, far below the quantization effect
+    assert np.abs(_llamacpp_logits(llama_cpp, a, toks) - sim).mean() < 0.25 * np.abs(flt - sim).mean()

@@ -8,7 +8,7 @@ from edgerun.errors import QuantizationError
 from edgerun.quant import formats as F
 
 QT = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
-      "q8_0": gguf.GGMLQuantizationType.Q8_0}
+      "q8_0": gguf.GGMLQuantizationType.Q8_0, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL}
 
 
 def _weights(rng, rows=48, k=256):
@@ -35,7 +35,7 @@ def test_rtn_byte_exact_vs_gguf(fmt):
         np.testing.assert_array_equal(F.fake_quant(fmt, w), deq)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "iq4_nl"])
 @pytest.mark.parametrize("weighting", ["none", "diag", "elem", "gram"])
 def test_search_never_worse_and_stored_exactly(fmt, weighting):
     rng = np.random.default_rng(1)
@@ -56,6 +56,28 @@ def test_search_never_worse_and_stored_exactly(fmt, weighting):
     # the stored d/m are the chosen ones, bit for bit
     b = raw.reshape(w.shape[0], nb, -1)
     assert np.array_equal(b[..., :2].copy().view(np.float16)[..., 0], p.d)
+
+
+def test_iq4_nl_decodes_as_gguf_and_picks_the_nearest_grid_value():
+    """gguf.quants has no IQ4_NL quantizer, so: what we store decodes (gguf.quants.dequantize, llama.cpp's
+    reference decoder) to what fake_quant computes, every code is the nearest grid value for the stored d,
+    and at Q4_0's size the non-uniform grid fits bell-shaped weights better than Q4_0's uniform one."""
+    rng = np.random.default_rng(0)
+    w = _weights(rng)
+    raw = F.pack("iq4_nl", w)
+    assert raw.shape == F.pack("q4_0", w).shape                       # same bytes per block as Q4_0
+    deq = gguf.quants.dequantize(raw, QT["iq4_nl"])
+    np.testing.assert_array_equal(F.unpack("iq4_nl", raw), deq)
+    np.testing.assert_array_equal(F.fake_quant("iq4_nl", w), deq)
+    d = raw.reshape(w.shape[0], -1, 18)[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)   # [rows, nb]
+    grid = F.IQ4_NL_VALUES[None, None, None, :] * d[..., None, None]  # [rows, nb, 1, 16]
+    x = w.reshape(w.shape[0], -1, 32)[..., None]                      # [rows, nb, 32, 1]
+    best = np.abs(x - grid).min(axis=-1)                              # distance to the nearest grid value
+    got = np.abs(x[..., 0] - deq.reshape(x.shape[:3]))
+    np.testing.assert_allclose(got, best, rtol=0, atol=1e-6)
+    g = rng.standard_normal((64, 512)).astype(np.float32)
+    err = {f: np.square(g - F.fake_quant(f, g, F.search_params(f, g))).mean() for f in ("q4_0", "iq4_nl")}
+    assert err["iq4_nl"] < 0.9 * err["q4_0"]
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
@@ -131,3 +153,27 @@ def test_q4_0_to_matmulnbits_lossless():
     q = np.stack([lo, hi], axis=-1).reshape(16, 3, 32).astype(np.float32)   # element 2i low, 2i+1 high
     deq = ((q - 8) * scales[..., None]).reshape(16, 96)
     np.testing.assert_array_equal(deq, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0))
+
+
+def test_q4_k_decodes_as_gguf_and_fits_better_than_q4_0():
+    """Q4_K super-blocks: what we store decodes (gguf.quants, llama.cpp's reference decoder) to what
+    fake_quant computes; zero and constant rows survive; the fit beats Q4_0's round-to-nearest."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 512)).astype(np.float32) * 0.02
+    w[0] = 0.0                                        # all zero
+    w[1, :256] = 0.5                                  # a constant super-block
+    w[2] += 0.05                                      # all positive (offset 0)
+    w[3, ::9] *= 30                                   # outliers
+    raw = F.pack("q4_k", w)
+    assert raw.shape == (40, 2 * 144) and raw.dtype == np.uint8
+    deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    np.testing.assert_array_equal(F.unpack("q4_k", raw), deq)
+    np.testing.assert_array_equal(F.fake_quant("q4_k", w), deq)
+    assert np.all(deq[0] == 0) and np.allclose(deq[1, :256], 0.5, rtol=1e-3)
+    err_k = np.square(w - deq).mean(axis=1)                                   # [rows]
+    err_0 = np.square(w - F.fake_quant("q4_0", w)).mean(axis=1)
+    assert (err_k <= err_0).all() and err_k[4:].mean() < 0.8 * err_0[4:].mean()
+    with pytest.raises(QuantizationError, match="multiple of 256"):
+        F.pack("q4_k", w[:, :288])
+    with pytest.raises(QuantizationError, match="searched block params"):
+        F.pack("q4_k", w, F.rtn_params("q4_0", w))

@@ -45,7 +45,14 @@ def test_quantize_rtn_and_awq(src, tmp_path):
 
 
 def test_unsupported_format(src, tmp_path):
-    assert_clean_error(run("quantize", src, tmp_path / "o.gguf", "--format", "q4_k"), tmp_path / "o.gguf", "q4_k")
+    assert_clean_error(run("quantize", src, tmp_path / "o.gguf", "--format", "q3_k"), tmp_path / "o.gguf", "q3_k")
+
+
+def test_q4_k_needs_rtn_and_rows_of_256(src, tmp_path):
+    out = tmp_path / "o.gguf"
+    assert_clean_error(run("quantize", src, out, "--format", "q4_k"), out, "q4_k", "round-to-nearest")
+    # the tiny model is 64 wide: not a whole Q4_K super-block
+    assert_clean_error(run("quantize", src, out, "--format", "q4_k", "--method", "rtn"), out, "256", "q4_0")
 
 
 def test_unsupported_architecture(tmp_path):

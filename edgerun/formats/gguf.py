@@ -31,10 +31,10 @@ log = logging.getLogger(__name__)
 # edgerun.* metadata written into every quantized file.
 EDGERUN_KEYS = (
     "edgerun.quant.method",          # "awq" | "rtn"
-    "edgerun.quant.format",          # "q4_0" | "q4_1"
+    "edgerun.quant.format",          # "q4_0" | "q4_1" | "iq4_nl"
     "edgerun.quant.block_size",      # 32
     "edgerun.quant.grid",            # number of scale exponents searched (0 for rtn)
-    "edgerun.quant.embed_type",      # "q8_0" | "f16"
+    "edgerun.quant.embed_type",      # "q8_0" | "q4_0" | "iq4_nl" | "f16"
     "edgerun.calib.sha256",          # sha256 of the calibration token ids (uint32 LE), "" for rtn
     "edgerun.calib.n_tokens",
     "edgerun.calib.name",            # "builtin:pydoc_topics" or the file name

@@ -50,8 +50,8 @@ RESCORE = 3          # AWQ scale candidates (best by round-to-nearest) rescored 
 # 39.35 to 38.76 (wiki) and 4.878 to 4.859 (code) (measured with the earlier all-group scaling); on
 # SmolLM2-135M Q4_0 it is level (21.966 / 7.857 -> 22.113 / 7.827, paired intervals containing 1),
 # so Q4_0 keeps the channel statistic alone.
-ELEMENT_IMPORTANCE = {"q4_0": False, "q4_1": True}
-FILE_TYPE = {"q4_0": 2, "q4_1": 3}               # llama.cpp LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1
+ELEMENT_IMPORTANCE = {"q4_0": False, "q4_1": True, "iq4_nl": False}
+FILE_TYPE = {"q4_0": 2, "q4_1": 3, "iq4_nl": 25, "q4_k": 14}   # LLAMA_FTYPE_MOSTLY_Q4_0 / _Q4_1 / _IQ4_NL / _Q4_K_S
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ def _ggml(name: str):
     import gguf
     return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-            "q4_1": gguf.GGMLQuantizationType.Q4_1}[name]
+            "q4_1": gguf.GGMLQuantizationType.Q4_1, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
+            "q4_k": gguf.GGMLQuantizationType.Q4_K}[name]
 
 
 def _kind(cfg: ModelConfig, name: str) -> str:
@@ -104,6 +105,17 @@ def _kind(cfg: ModelConfig, name: str) -> str:
     if parts[0] == "blk" and parts[-1] == "weight" and parts[2] in cfg.spec.linears:
         return "linear"
     return "f32"
+
+
+def _kept(src, name: str, stored: str, args: QuantArgs) -> np.ndarray | None:
+    """A round-to-nearest run keeps a tensor the source already stores in its target type byte for byte:
+    rounding its dequantized values again could only add error (a Q4_K_M file's Q4_K tensors stay exact
+    in a q4_k output; only its Q6_K ones are requantized)."""
+    if args.method != "rtn" or stored in ("f32", "f16") or not isinstance(src, GGUFSource):
+        return None
+    if src.tensor_type(name) != _ggml(stored):
+        return None
+    return np.asarray(src.raw(name), dtype=np.uint8)
 
 
 def _store(kind: str, a: np.ndarray, args: QuantArgs, params: F.BlockParams | None = None) -> np.ndarray:
@@ -254,8 +266,14 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
     if out.exists() and out.is_dir():
         raise QuantizationError(f"{out} is a directory; expected an output .gguf file path")
     linear_in = {cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_ff}
-    if any(k % F.QK for k in linear_in):
-        raise QuantizationError(f"input dimensions {sorted(linear_in)} must be multiples of {F.QK} for {args.format}")
+    block = F.QK_K if args.format == "q4_k" else F.QK
+    if any(k % block for k in linear_in):
+        raise QuantizationError(f"input dimensions {sorted(linear_in)} must be multiples of {block} for {args.format}"
+                                + (" (llama.cpp's Q4_K super-block): use q4_0 or iq4_nl for this model"
+                                   if block == F.QK_K else ""))
+    if args.embed_type == "q4_k" and cfg.n_embd % F.QK_K:
+        raise QuantizationError(f"embedding width {cfg.n_embd} is not a multiple of {F.QK_K} for embed_type q4_k; "
+                                "use q4_0, iq4_nl or q8_0")
     report = QuantReport(str(out), args.method, args.format, src.name, cfg.n_layer)
 
     with tempfile.TemporaryDirectory(prefix="edgerun-quant-") as tmp:
@@ -311,6 +329,10 @@ def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, se
     x = None
     for n in src.tensor_names():
         if not n.startswith("blk."):
+            kept = _kept(src, n, storage_type(cfg, n, args), args)
+            if kept is not None:
+                yield kept
+                continue
             a = _check_finite(n, src.tensor(n))
             if n == "token_embd.weight" and seqs is not None:
                 x = a[seqs].astype(np.float32)                                  # [n_seq, seq_len, d]
@@ -321,7 +343,8 @@ def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, se
             continue                                                            # yielded with its block
         prefix = f"blk.{i}."
         bnames = [m for m in src.tensor_names() if m.startswith(prefix)]
-        w = {m[len(prefix):]: _check_finite(m, src.tensor(m)) for m in bnames}
+        kept = {m: _kept(src, m, storage_type(cfg, m, args), args) for m in bnames}     # (rtn only)
+        w = {m[len(prefix):]: _check_finite(m, src.tensor(m)) for m in bnames if kept[m] is None}
         params: dict = {}
         if args.method == "awq":
             w, params, x, reps = awq_block(cfg, args.format, w, x, args.grid, n_search, rng, i, **block_options)
@@ -335,6 +358,6 @@ def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, se
         log.info(msg)
         for m in bnames:
             k = m[len(prefix):]
-            yield _store(_kind(cfg, m), w[k], args, params.get(k))
+            yield kept[m] if kept[m] is not None else _store(_kind(cfg, m), w[k], args, params.get(k))
         if progress is not None:
             progress(msg, i + 1, cfg.n_layer)
