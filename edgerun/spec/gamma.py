@@ -101,6 +101,7 @@ class TunerSettings:
     time_ema: float = 0.2           # EMA weight of an observed time (load, draft ratio, miss cost)
     shape_rate: float = 0.05        # least learning rate of the curve's per-n shape correction
     thompson: bool = True           # draw the class's pooled acceptance from its posterior each cycle
+    switch_on_z: float = 1.0        # switching on needs the win at acceptance this many posterior sds below the mean
     warmup_gamma: int = 0           # gamma of the warm-up cycles; 0: the one the cost curve favours
 
     def __post_init__(self) -> None:
@@ -112,6 +113,8 @@ class TunerSettings:
                                   f"got {self.decay}, {self.hysteresis}, {self.time_ema}")
         if not 0 < self.explore_budget <= 1:
             raise InvalidArgument(f"explore_budget must be in (0, 1], got {self.explore_budget}")
+        if not self.switch_on_z >= 0:
+            raise InvalidArgument(f"switch_on_z must be >= 0, got {self.switch_on_z}")
         if self.warmup_cycles < 0 or self.warmup_total < 0 or self.warmup_gamma < 0:
             raise InvalidArgument(f"need warmup_cycles >= 0, warmup_total >= 0 and warmup_gamma >= 0, "
                                   f"got {self.warmup_cycles}, {self.warmup_total}, {self.warmup_gamma}")
@@ -218,6 +221,10 @@ class GammaTuner:
             return False
         for name, a in {**arrays, **scalars}.items():
             setattr(self, name, a)
+        # the exploration budget is earned by this process's own plain cycles: a restored credit would let
+        # the first short generation of a new CLI process pay for an exploration that a long one earned
+        # (measured: a 32-token answer losing 10-25% to one exploratory draft and its catch-up)
+        self._since_explore = np.zeros_like(self._since_explore)
         self.n_explored = int(state.get("n_explored", 0))
         self._tv_cache = None
         return True
@@ -240,10 +247,15 @@ class GammaTuner:
                 pooled = rng.beta(h + cs * pooled, max(n - h, 0.0) + cs * (1.0 - pooled))
         return (hits[c] + st.pool_strength * pooled) / (trials[c] + st.pool_strength)
 
-    def acceptance(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+    def acceptance(self, hint: int = 0, rng: np.random.Generator | None = None, z: float = 0.0) -> np.ndarray:
         """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted), for a hint class
-        (posterior mean, or a posterior draw with rng)."""
-        return self._shrunk(self._acc, self._seen, self.settings.alpha_prior, hint, rng)
+        (posterior mean, or a posterior draw with rng; z > 0: z posterior standard deviations below the
+        mean, a lower confidence bound that is wide where the class has seen few drafts)."""
+        a = self._shrunk(self._acc, self._seen, self.settings.alpha_prior, hint, rng)
+        if z > 0:
+            n = self._seen[hint] + self.settings.pool_strength                  # [G] trials behind each a_i
+            a = np.clip(a - z * np.sqrt(a * (1.0 - a) / (n + 1.0)), 0.0, 1.0)
+        return a
 
     def supply(self, hint: int = 0) -> np.ndarray:
         """s_i: P(drafter supplies position i | asked for it and supplied i - 1), for a hint class."""
@@ -288,9 +300,10 @@ class GammaTuner:
         """Seconds of that catch-up."""
         return self._excess(lag) * self.t_sync()
 
-    def _cycle(self, hint: int = 0, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def _cycle(self, hint: int = 0, rng: np.random.Generator | None = None,
+               z: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Predicted tokens and seconds of a cycle asking for gamma = 0..gamma_max drafts (index gamma)."""
-        a, s = self.acceptance(hint, rng), self.supply(hint)
+        a, s = self.acceptance(hint, rng, z), self.supply(hint)
         D = np.concatenate([[1.0], np.cumprod(s)])          # D [G + 1]: P(at least k drafted | asked >= k)
         A = np.cumprod(s * a)                               # A [G]: P(positions 1..k drafted and accepted)
         tv = self._tv_table()                               # tv [G + 1]: T_verify(m + 1), m = 0..G
@@ -302,10 +315,10 @@ class GammaTuner:
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(A)])                         # tokens [G + 1]
         return tokens, cost
 
-    def rates(self, hint: int = 0, rng: np.random.Generator | None = None) -> np.ndarray:
+    def rates(self, hint: int = 0, rng: np.random.Generator | None = None, z: float = 0.0) -> np.ndarray:
         """Predicted tokens/s for gamma = 0..gamma_max in a hint class (vectorised: runs every cycle);
-        with rng, for acceptance drawn from its posterior."""
-        tokens, cost = self._cycle(hint, rng)
+        with rng, for acceptance drawn from its posterior; with z, at its lower confidence bound."""
+        tokens, cost = self._cycle(hint, rng, z)
         return tokens / cost
 
     # -- the policy --------------------------------------------------------------------------
@@ -326,19 +339,25 @@ class GammaTuner:
         best = int(np.argmax(rates))
         cur = int(self._current[c])
         if best != cur and rates[best] > rates[cur] * (1.0 + self.settings.hysteresis) and \
-                (cur > 0 or self._repays_catch_up(rates, best, lag)):
+                (cur > 0 or self._switch_on_pays(c, best, lag)):
             log.debug("class %d: gamma %d -> %d (predicted %.1f -> %.1f tok/s)", c, cur, best, rates[cur], rates[best])
             self._current[c] = cur = best
             self._explore_interval[c] = self.settings.explore_every
             self._since_explore[c] = 0
         g = cur
+        if g > 0 and self._excess(lag) > 0 and not self._switch_on_pays(c, g, lag):
+            # on, but the drafter is behind (a new process's prompt, or a stretch of plain cycles in other
+            # classes): its catch-up is paid only where the win soon repays it; else this cycle runs plain
+            g = 0
         self._since_explore[c] += 1
         can_win = g > 0 or self._could_win()
         probe_g = 1 if can_win else self._favoured_gamma()
         if (g == 0 and can_win and self._n_drafting[c] < self.settings.warmup_cycles
-                and self._n_drafting.sum() < self.settings.warmup_total):
+                and self._n_drafting.sum() < self.settings.warmup_total and self._could_win(WARMUP_ALPHA)):
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
-            # learned from data, not assumed (the tuner lives as long as the Runtime)
+            # learned from data, not assumed (the tuner lives as long as the Runtime), where a good
+            # drafter (acceptance WARMUP_ALPHA) would win; a pair that wins only near perfect acceptance
+            # is learned by the budgeted explorations instead of an up-front warm-up
             g = self.warmup_gamma or self._favoured_gamma()
         elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap(probe_g, lag)):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
@@ -440,22 +459,31 @@ class GammaTuner:
         loss = max(g * self.t_draft() + tv[g] - tv[0], 0.0) + self._catch_up(lag)
         return loss / (self.settings.explore_budget * tv[0])
 
-    def _repays_catch_up(self, rates: np.ndarray, g: int, lag: int) -> bool:
-        """Whether switching speculation on at gamma g saves, over the next explore_every cycles at the
-        predicted rates, more than the drafter's catch-up costs."""
+    def _switch_on_pays(self, c: int, g: int, lag: int) -> bool:
+        """Whether switching speculation on at gamma g in class c pays by the lower confidence bound of the
+        class's acceptance (switch_on_z sds below the mean): it must beat plain decoding by the hysteresis
+        margin and save, over the next explore_every cycles, more than the drafter's catch-up costs. A win
+        predicted from a few drafts, or from what another text taught the class, is not enough to pay for a
+        switch (measured: prose after code lost 5-20% to switches that one draft's rejections undid); the
+        budgeted explorations add the data that narrows the bound."""
+        low = self.rates(c, z=self.settings.switch_on_z)
+        if not low[g] > low[0] * (1.0 + self.settings.hysteresis):
+            return False
         cost = self._catch_up(lag)
         if cost <= 0.0:
             return True
-        tokens = rates[g] * self._cycle(self._hint or 0)[1][g]        # tokens of one cycle at gamma g
-        saved = self.settings.explore_every * tokens * (1.0 / rates[0] - 1.0 / rates[g])
+        tokens = low[g] * self._cycle(c, z=self.settings.switch_on_z)[1][g]      # tokens of one cycle at gamma g
+        saved = self.settings.explore_every * tokens * (1.0 / low[0] - 1.0 / low[g])
         return bool(saved > cost)
 
-    def _could_win(self) -> bool:
-        """Whether some gamma beats plain decoding by the hysteresis margin if every draft were accepted."""
+    def _could_win(self, alpha: float = 1.0) -> bool:
+        """Whether some gamma beats plain decoding by the hysteresis margin at acceptance alpha per
+        position (default: every draft accepted)."""
         G = self.gamma_max
         tv = self._tv_table()                                           # tv [G + 1]
         g = np.arange(1, G + 1)
-        best = ((g + 1.0) / (g * self.t_draft() + tv[1:])).max()       # all g drafted and accepted
+        tokens = g + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)   # Leviathan's E[tokens]
+        best = (tokens / (g * self.t_draft() + tv[1:])).max()
         return bool(best > (1.0 + self.settings.hysteresis) / tv[0])
 
     @property
