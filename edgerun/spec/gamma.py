@@ -466,13 +466,17 @@ class GammaTuner:
         predicted from a few drafts, or from what another text taught the class, is not enough to pay for a
         switch (measured: prose after code lost 5-20% to switches that one draft's rejections undid); the
         budgeted explorations add the data that narrows the bound."""
-        low = self.rates(c, z=self.settings.switch_on_z)
+        # the confidence asked for scales with what a wrong switch costs: the drafts and the catch-up, in
+        # target steps (a model drafter on a CPU: the full bound; prompt lookup, whose drafts are free: none)
+        tv1 = self._tv_table()[0]
+        z = self.settings.switch_on_z * min(1.0, (g * self.t_draft() + self._catch_up(lag)) / tv1)
+        low = self.rates(c, z=z)
         if not low[g] > low[0] * (1.0 + self.settings.hysteresis):
             return False
         cost = self._catch_up(lag)
         if cost <= 0.0:
             return True
-        tokens = low[g] * self._cycle(c, z=self.settings.switch_on_z)[1][g]      # tokens of one cycle at gamma g
+        tokens = low[g] * self._cycle(c, z=z)[1][g]                      # tokens of one cycle at gamma g
         saved = self.settings.explore_every * tokens * (1.0 / low[0] - 1.0 / low[g])
         return bool(saved > cost)
 
