@@ -538,3 +538,20 @@ def test_a_pair_that_wins_still_drafts_after_a_restart():
         state = t.state()
         ratios.append(plain / secs)
     assert ratios[-1] > 1.1 and min(ratios[1:]) > 1.05, ratios
+
+
+def test_the_switch_on_bound_scales_with_what_a_wrong_switch_costs():
+    """Four cycles of 3 drafts seen in a class, 11 of 12 accepted: prompt lookup (drafts free) switches on at
+    once; a model drafter costing 0.62 of a target step, on the same curve and data (its mean predicts
+    1.05x plain), waits for more evidence."""
+    free, dear = (GammaTuner(CostCurve(XEON_TV, td), gamma_max=8, settings=TunerSettings(thompson=False))
+                  for td in (3e-5, XEON_TD))
+    for t in (free, dear):
+        for acc in (3, 2, 3, 3):
+            t._last = 3
+            t.observe(3, acc, 3 * t.cost.t_draft, XEON_TV[3])
+        t._current[:] = 0
+    assert free.choose(0) > 0
+    r = dear.rates(0)
+    assert r.max() > 1.03 * r[0]                     # the mean alone would have switched on
+    assert dear.choose(0) == 0
