@@ -58,16 +58,11 @@ class BlockParams:
 
 
 def _check(fmt: str, w: np.ndarray) -> None:
-    if fmt == "q4_k":
-        if w.ndim != 2 or w.shape[1] % QK_K:
-            raise QuantizationError(f"q4_k needs a 2-D weight with rows a multiple of {QK_K} long, got shape {w.shape}")
-        if not np.isfinite(w).all():
-            raise QuantizationError("weight has NaN or infinite values; expected finite floats for q4_k")
-        return
-    if fmt not in FORMATS:
-        raise QuantizationError(f"unsupported format {fmt!r}; expected one of {FORMATS}")
-    if w.ndim != 2 or w.shape[1] % QK:
-        raise QuantizationError(f"{fmt} needs a 2-D weight with rows a multiple of {QK} long, got shape {w.shape}")
+    if fmt not in FORMATS and fmt != "q4_k":
+        raise QuantizationError(f"unsupported format {fmt!r}; expected one of {FORMATS + ('q4_k',)}")
+    block = QK_K if fmt == "q4_k" else QK
+    if w.ndim != 2 or w.shape[1] % block:
+        raise QuantizationError(f"{fmt} needs a 2-D weight with rows a multiple of {block} long, got shape {w.shape}")
     if not np.isfinite(w).all():
         raise QuantizationError(f"weight has NaN or infinite values; expected finite floats for {fmt}")
 
@@ -169,7 +164,7 @@ def pack(fmt: str, w: np.ndarray, params: BlockParams | None = None) -> np.ndarr
     if fmt == "q4_k":
         if params is not None:
             raise QuantizationError("q4_k is stored by its own scale/min fit; searched block params are for "
-                                    f"{FORMATS[:2] + FORMATS[3:]}")
+                                    "q4_0, q4_1 and iq4_nl")
         return pack_q4_k(w)
     q, d16, m16 = _codes(fmt, w, params)
     rows, nb = q.shape[:2]

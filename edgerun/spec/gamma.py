@@ -473,14 +473,14 @@ class GammaTuner:
         # target steps (a model drafter on a CPU: the full bound; prompt lookup, whose drafts are free: none)
         tv1 = self._tv_table()[0]
         z = self.settings.switch_on_z * min(1.0, (g * self.t_draft() + self._catch_up(lag)) / tv1)
-        low = self.rates(c, z=z)
+        tokens, seconds = self._cycle(c, z=z)                            # [G + 1] each, at the bound
+        low = tokens / seconds
         if not low[g] > low[0] * (1.0 + self.settings.hysteresis):
             return False
         cost = self._catch_up(lag)
         if cost <= 0.0:
             return True
-        tokens = low[g] * self._cycle(c, z=z)[1][g]                      # tokens of one cycle at gamma g
-        saved = self.settings.explore_every * tokens * (1.0 / low[0] - 1.0 / low[g])
+        saved = self.settings.explore_every * tokens[g] * (1.0 / low[0] - 1.0 / low[g])
         return bool(saved > cost)
 
     def _could_win(self, alpha: float = 1.0) -> bool:
