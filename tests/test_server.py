@@ -395,12 +395,13 @@ def test_health_is_not_ready_until_the_model_is_loaded(tiny_llama, parallel):
         assert r.status_code == 200, r.text
 
 
-def _hold(srv, rt, model: str, n: int, out: dict, max_tokens: int = 6) -> list[threading.Thread]:
-    """Fill the n generation slots with requests held at the gate ("h0", "h1", ... in `out`)."""
+def _hold(srv, rt, model: str, n: int, out: dict, max_tokens: int = 6, **body) -> list[threading.Thread]:
+    """Fill the n generation slots with requests held at the gate ("h0", "h1", ... in `out`); `body` adds
+    fields to each request (temperature=0 where a test needs a known first token, not a sampled EOS)."""
     threads = []
     for i in range(n):
         threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": f"held {i}",
-                                                        "max_tokens": max_tokens}, out, f"h{i}"))
+                                                        "max_tokens": max_tokens, **body}, out, f"h{i}"))
         assert rt.entered.acquire(timeout=30)                      # running, held at the gate
     return threads
 
@@ -517,7 +518,8 @@ def test_time_limit_ends_running_and_queued_requests(tiny_llama, parallel):
         t = _post_in_thread(srv.url, COMPL, {"model": model, "prompt": "slow one", "max_tokens": 20,
                                              "temperature": 0}, out, "a")
         assert rt.entered.acquire(timeout=30)
-        others = _hold(srv, rt, model, parallel - 1, out, max_tokens=20)
+        # greedy: a sampled request can draw EOS as its first token (CI saw it once) and end "stop"
+        others = _hold(srv, rt, model, parallel - 1, out, max_tokens=20, temperature=0)
         r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "waits", "max_tokens": 5}, timeout=60)
         assert_error(r, 503, "queue_timeout")            # waited its whole limit behind the held request
         rt.gate.set()
