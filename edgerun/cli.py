@@ -647,11 +647,11 @@ def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_p
 @click.argument("source")
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--method", default="awq", show_default=True, help="awq (activation-aware search) or rtn (round-to-nearest).")
-@click.option("--format", "fmt", default="q4_0", show_default=True, help="Storage format of the linear weights: q4_0, q4_1 or iq4_nl (Q4_0's size and CPU speed, a non-uniform grid).")
+@click.option("--format", "fmt", default="q4_0", show_default=True, help="Storage format of the linear weights: q4_0, q4_1, iq4_nl (Q4_0's size and CPU speed, a non-uniform grid) or q4_k (super-blocks of 256, round-to-nearest only; a source's Q4_K tensors are kept as stored).")
 @click.option("--calib", default="builtin", show_default=True,
               help="Calibration text: 'builtin' (CPython's reference prose), 'stdlib-code', or a text file.")
 @click.option("--calib-tokens", type=int, default=4096, show_default=True, help="Calibration tokens (cut into 512-token sequences).")
-@click.option("--embed-type", default="q8_0", show_default=True, help="Token embeddings / output head: q8_0, q4_0 or iq4_nl (4-bit head: fastest speculation on a CPU) or f16.")
+@click.option("--embed-type", default="q8_0", show_default=True, help="Token embeddings / output head: q8_0, q4_0, iq4_nl or q4_k (4-bit head: fastest speculation on a CPU) or f16.")
 @click.option("--grid", type=int, default=20, show_default=True, help="AWQ scale exponents tried per group.")
 @click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
