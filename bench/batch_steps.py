@@ -9,7 +9,8 @@ through `Runtime.slots()` and records, per batched evaluation, its shape (sequen
 median time per shape. Part 2 evaluates the most frequent shape (one row per sequence) on the same
 backend from the main thread and from the group's engine thread, with sequences at 40-130 positions, with
 nothing else running, and a few uneven shapes (one sequence verifying 4 rows beside single rows: two
-passes in llama.cpp). Writes bench/results/batch_steps.json.
+passes in llama.cpp), and sequence ids with a gap (filled by the backend, against split at the gap).
+Writes bench/results/batch_steps.json.
 """
 
 from __future__ import annotations
@@ -137,6 +138,28 @@ def main() -> None:
             uneven[name] = 1e3 * float(np.median(ts))
             print(f"alone, {name}: median {uneven[name]:.2f} ms")
     res["uneven_ms"] = uneven
+    # ids with a gap (an idle slot between busy ones): llama.cpp would start a new ubatch at the gap; the
+    # backend fills it with throw-away rows instead (one pass). Measured both ways, interleaved.
+    gaps = {}
+    if a.slots >= 4:
+        fill = be._gap_fillers
+        for name, ids in {"seqs 0, 1, 3 x 1 row": [0, 1, 3], "seqs 0, 3 x 1 row": [0, 3],
+                          "seqs 0, 2 x 1 row": [0, 2]}.items():
+            ts = {"gap filled": [], "split at the gap": []}
+            for i in range(80):
+                how = "gap filled" if i % 2 == 0 else "split at the gap"
+                be._gap_fillers = fill if how == "gap filled" else (lambda rows: {})
+                rows = [(s, [int(rng.integers(100, 20000))], 1) for s in ids]
+                t = time.perf_counter()
+                be.eval_rows(rows)
+                ts[how].append(time.perf_counter() - t)
+                for s in ids:
+                    be.truncate_seq(s, 40)
+            be._gap_fillers = fill
+            gaps[name] = {k: 1e3 * float(np.median(v)) for k, v in ts.items()}
+            print(f"alone, {name}: gap filled {gaps[name]['gap filled']:.2f} ms, "
+                  f"split at the gap {gaps[name]['split at the gap']:.2f} ms (medians, interleaved)")
+    res["gap_ms"] = gaps
     rt.close()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

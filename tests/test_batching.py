@@ -267,3 +267,43 @@ def test_rows_reach_llama_cpp_in_sequence_order(tiny_llama, monkeypatch):
     finally:
         be.close()
         ref.close()
+
+
+def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouched(tiny_llama, monkeypatch):
+    """split_equal starts a new ubatch at a gap in the ids (rows of 0, 1, 3 would run as [0, 1] and [3]):
+    the idle sequence 2 gets throw-away positions in the same llama_decode, removed right after. The rows'
+    logits are their own, sequence 2's cache is as it was (its next logits equal a fresh run), and unequal
+    rows are not filled."""
+    from edgerun import llama_lib
+    from edgerun.config import BackendArgs
+
+    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    ref = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    try:
+        for b in (be, ref):
+            for s in range(4):
+                b.eval_rows([(s, [1 + s, 2 + s, 3 + s], 1)])
+        L = llama_lib.lib()
+        seen = []
+        decode = L.llama_decode
+
+        def spy(ctx, batch):
+            seen.append([(batch.seq_id[i][0], batch.pos[i], batch.logits[i]) for i in range(batch.n_tokens)])
+            return decode(ctx, batch)
+        monkeypatch.setattr(L, "llama_decode", spy)
+        outs = be.eval_rows([(3, [13], 1), (0, [10], 1), (1, [11], 1)])
+        uneven = be.eval_rows([(0, [20, 21], 1), (3, [23], 1)])
+        monkeypatch.setattr(L, "llama_decode", decode)
+        assert seen[0] == [(0, 3, 1), (1, 3, 1), (2, 3, 0), (3, 3, 1)]      # one decode, the gap filled
+        assert [s for s, _, _ in seen[1]] == [0, 0, 3]                       # unequal rows: nothing added
+        assert be.seq_tokens(2) == [3, 4, 5]
+        for s, tok, out in [(3, 13, outs[0]), (0, 10, outs[1]), (1, 11, outs[2])]:
+            alone = ref.eval_rows([(s, [tok], 1)])[0]
+            np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(uneven[0], ref.eval_rows([(0, [20, 21], 1)])[0], rtol=0, atol=1e-4)
+        # the idle sequence: the filler positions are gone from its cache
+        np.testing.assert_allclose(be.eval_rows([(2, [30, 31], 2)])[0], ref.eval_rows([(2, [30, 31], 2)])[0],
+                                   rtol=0, atol=1e-4)
+    finally:
+        be.close()
+        ref.close()

@@ -111,12 +111,56 @@ class LlamaCppBackend:
         # sequence id. With one KV stream per sequence llama.cpp splits a batch with split_equal(sequential):
         # a ubatch takes sequences only while each id is the previous one + 1, so 4 single rows posted in the
         # order 2, 0, 3, 1 ran as 3 ubatches, 25-30 ms against 21 ms in the order 0, 1, 2, 3 (SmolLM2, 2
-        # threads; bench/batch_steps.py). Ids with a gap (an idle slot between) still split there.
+        # threads; bench/batch_steps.py). Ids with a gap (an idle slot between) would still split there, so
+        # the gap is filled (_gap_fillers): r = -1 - seq marks a filler position of seq, removed again below.
         flat = []
         for r in sorted(range(len(rows)), key=lambda i: rows[i][0]):
             seq, toks, k = rows[r]
             base, n = len(self._seqs[seq]), len(toks)
             flat.extend((r, tok, base + i, i >= n - k) for i, tok in enumerate(toks))
+        fillers = self._gap_fillers(rows)
+        if len(flat) + sum(len(t) for _, t in fillers.values()) > self.n_batch:
+            fillers = {}                        # several decodes anyway
+        if fillers:
+            flat = sorted(flat + [(-1 - seq, tok, pos, False) for seq, (pos, toks) in fillers.items()
+                                  for pos, tok in enumerate(toks, start=pos)],
+                          key=lambda f: (rows[f[0]][0] if f[0] >= 0 else -1 - f[0], f[2]))
+        try:
+            self._decode_flat(rows, flat, outs, filled)
+        finally:
+            for seq, (pos, _) in fillers.items():
+                L.llama_memory_seq_rm(self._mem, seq, pos, -1)
+        return outs
+
+    def _gap_fillers(self, rows) -> dict[int, tuple[int, list[int]]]:
+        """Filler positions for the idle sequence ids between the rows' ids: {seq: (first position, tokens)}.
+
+        split_equal(sequential) starts a new ubatch at every gap in the ids (rows of sequences 0, 1, 3 run
+        as two passes over the weights: [0, 1] and [3]). Where every row has the same length n, an idle
+        sequence in the gap gets n throw-away positions after its cached ones (no logits; removed right
+        after the decode), so the step is one pass of a few more rows. The rows' own results are those of
+        the batch they are in (each sequence attends only to its own KV stream). Unequal rows split anyway
+        (a speculating sequence's gamma+1 rows beside single rows), so nothing is filled there."""
+        lengths = {len(toks) for _, toks, _ in rows}
+        if len(rows) < 2 or len(lengths) != 1:
+            return {}
+        n = lengths.pop()
+        ids = sorted(seq for seq, _, _ in rows)
+        gaps = [s for s in range(ids[0], ids[-1] + 1) if s not in set(ids)]
+        if not gaps or n > 8 or len(gaps) > len(ids):
+            return {}
+        tok = rows[0][1][0]
+        fillers = {}
+        for seq in gaps:
+            base = len(self._seqs[seq])
+            if base + n > self.n_ctx:
+                return {}                      # no room in that sequence: split as llama.cpp would
+            fillers[seq] = (base, [tok] * n)
+        return fillers
+
+    def _decode_flat(self, rows, flat, outs, filled) -> None:
+        """llama_decode the flat positions in chunks of n_batch and copy the requested logits to outs."""
+        L = llama_lib.lib()
         b = self._batch
         for start in range(0, len(flat), self.n_batch):
             chunk = flat[start:start + self.n_batch]
@@ -124,7 +168,7 @@ class LlamaCppBackend:
                 b.token[i] = tok
                 b.pos[i] = pos
                 b.n_seq_id[i] = 1
-                b.seq_id[i][0] = rows[r][0]
+                b.seq_id[i][0] = rows[r][0] if r >= 0 else -1 - r
                 b.logits[i] = want
             b.n_tokens = len(chunk)
             rc = L.llama_decode(self._ctx, b)
@@ -135,7 +179,8 @@ class LlamaCppBackend:
                                    f"({len(rows)} sequence(s), {len(chunk)} positions)")
             n_out = 0
             for r, tok, _, want in chunk:
-                self._seqs[rows[r][0]].append(tok)
+                if r >= 0:
+                    self._seqs[rows[r][0]].append(tok)
                 n_out += want
             if n_out:
                 # logits of the requested positions, in batch order: [n_out, n_vocab]
@@ -150,7 +195,6 @@ class LlamaCppBackend:
                         outs[r][filled[r]] = got[j]
                         filled[r] += 1
                         j += 1
-        return outs
 
     def truncate_seq(self, seq: int, n: int) -> None:
         """Keep the first n positions of sequence `seq` (rollback)."""
