@@ -140,25 +140,28 @@ def main() -> None:
     res["uneven_ms"] = uneven
     # ids with a gap (an idle slot between busy ones): llama.cpp would start a new ubatch at the gap; the
     # backend fills it with throw-away rows instead (one pass). Measured both ways, interleaved.
+    # what the backend's GapChooser learned in the concurrent runs above, then both ways forced (fill_gaps
+    # True / False), interleaved
+    res["gap_learned"] = be.gaps.learned()
+    print(f"gap shapes timed in the concurrent runs: {res['gap_learned'] or 'none (no gap in the busy ids)'}")
     gaps = {}
     if a.slots >= 4:
-        fill = be._gap_fillers
         for name, ids in {"seqs 0, 1, 3 x 1 row": [0, 1, 3], "seqs 0, 3 x 1 row": [0, 3],
                           "seqs 0, 2 x 1 row": [0, 2]}.items():
             ts = {"gap filled": [], "split at the gap": []}
             for i in range(80):
                 how = "gap filled" if i % 2 == 0 else "split at the gap"
-                be._gap_fillers = fill if how == "gap filled" else (lambda rows: {})
+                be.fill_gaps = how == "gap filled"
                 rows = [(s, [int(rng.integers(100, 20000))], 1) for s in ids]
                 t = time.perf_counter()
                 be.eval_rows(rows)
                 ts[how].append(time.perf_counter() - t)
                 for s in ids:
                     be.truncate_seq(s, 40)
-            be._gap_fillers = fill
             gaps[name] = {k: 1e3 * float(np.median(v)) for k, v in ts.items()}
-            print(f"alone, {name}: gap filled {gaps[name]['gap filled']:.2f} ms, "
-                  f"split at the gap {gaps[name]['split at the gap']:.2f} ms (medians, interleaved)")
+            print(f"alone, {name}: gap filled {gaps[name]['gap filled']:.2f} ms, split at the gap "
+                  f"{gaps[name]['split at the gap']:.2f} ms (medians, interleaved)")
+        be.fill_gaps = None
     res["gap_ms"] = gaps
     rt.close()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -273,12 +273,13 @@ def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouc
     """split_equal starts a new ubatch at a gap in the ids (rows of 0, 1, 3 would run as [0, 1] and [3]):
     the idle sequence 2 gets throw-away positions in the same llama_decode, removed right after. The rows'
     logits are their own, sequence 2's cache is as it was (its next logits equal a fresh run), and unequal
-    rows are not filled."""
+    rows are not filled. (Filling forced here; whether it is used is learned by timing, next test.)"""
     from edgerun import llama_lib
     from edgerun.config import BackendArgs
 
     be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
     ref = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    be.fill_gaps = True
     try:
         for b in (be, ref):
             for s in range(4):
@@ -304,6 +305,52 @@ def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouc
         # the idle sequence: the filler positions are gone from its cache
         np.testing.assert_allclose(be.eval_rows([(2, [30, 31], 2)])[0], ref.eval_rows([(2, [30, 31], 2)])[0],
                                    rtol=0, atol=1e-4)
+        be.fill_gaps = False                   # split, as llama.cpp would
+        seen.clear()
+        monkeypatch.setattr(L, "llama_decode", spy)
+        be.eval_rows([(0, [40], 1), (1, [41], 1), (3, [43], 1)])
+        monkeypatch.setattr(L, "llama_decode", decode)
+        assert [s for s, _, _ in seen[0]] == [0, 1, 3]
     finally:
         be.close()
         ref.close()
+
+
+def test_gap_filling_is_learned_by_timing_each_way(monkeypatch):
+    """GapChooser times each way a few times per shape, then keeps the faster (with a re-check now and then);
+    a device where the split is faster (a compute-bound CPU) never settles on filling, and the reverse."""
+    from edgerun.backends.gapfill import GapChooser
+
+    for fill_s, split_s in ((0.030, 0.050), (0.050, 0.030)):
+        g = GapChooser(trials=3, recheck_every=10)
+        shape = (3, 1, 1)
+        picks = []
+        for _ in range(40):
+            f = g.fill(shape)
+            picks.append(f)
+            g.observe(shape, f, fill_s if f else split_s)
+        assert picks[:6].count(True) == 3 and picks[:6].count(False) == 3      # both ways tried first
+        settled = picks[6:]
+        faster = fill_s < split_s
+        assert settled.count(faster) >= len(settled) - 4 and settled.count(not faster) >= 1   # re-checks
+        assert g.fill((2, 1, 1)) is True                                        # a new shape is tried afresh
+
+
+def test_the_backend_learns_whether_to_fill(tiny_llama, monkeypatch):
+    """Without fill_gaps forced, the backend asks its GapChooser per decode and reports the time back."""
+    from edgerun.config import BackendArgs
+
+    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    try:
+        for s in range(4):
+            be.eval_rows([(s, [1 + s, 2 + s], 1)])
+        for i in range(8):
+            be.eval_rows([(0, [10 + i], 1), (3, [20 + i], 1)])
+            for s in (0, 3):
+                be.truncate_seq(s, 2)
+        learned = be.gaps.learned()
+        assert list(learned) == ["2 seqs + 2 gap x 1 rows"]
+        assert learned["2 seqs + 2 gap x 1 rows"]["fill_ms"] > 0 and learned["2 seqs + 2 gap x 1 rows"]["split_ms"] > 0
+        assert be.seq_tokens(1) == [2, 3] and be.seq_tokens(2) == [3, 4]
+    finally:
+        be.close()

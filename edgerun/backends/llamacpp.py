@@ -13,12 +13,14 @@ tokens) are sequence 0's.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from .base import check_eval
+from .gapfill import GapChooser
 from .. import llama_lib
 from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument
@@ -77,6 +79,10 @@ class LlamaCppBackend:
         self.n_params: int = int(L.llama_model_n_params(self._model.ptr))
         self.flash_attn = args.flash_attn
         self._seqs: list[list[int]] = [[] for _ in range(self.n_seq)]   # tokens cached per sequence
+        # whether a gap in a batch's sequence ids is filled or split, timed per shape (_gap_fillers);
+        # fill_gaps True / False forces one way (benches, tests), None learns
+        self.gaps = GapChooser()
+        self.fill_gaps: bool | None = None
         self.tokens: list[int] = self._seqs[0]
 
     # -- Backend protocol ---------------------------------------------------------------------
@@ -118,45 +124,52 @@ class LlamaCppBackend:
             seq, toks, k = rows[r]
             base, n = len(self._seqs[seq]), len(toks)
             flat.extend((r, tok, base + i, i >= n - k) for i, tok in enumerate(toks))
-        fillers = self._gap_fillers(rows)
+        shape, fillers = self._gap_fillers(rows)
         if len(flat) + sum(len(t) for _, t in fillers.values()) > self.n_batch:
-            fillers = {}                        # several decodes anyway
+            shape, fillers = None, {}          # several decodes anyway
+        if shape is not None and self.fill_gaps is None and not self.gaps.fill(shape):
+            fillers = {}
         if fillers:
             flat = sorted(flat + [(-1 - seq, tok, pos, False) for seq, (pos, toks) in fillers.items()
                                   for pos, tok in enumerate(toks, start=pos)],
                           key=lambda f: (rows[f[0]][0] if f[0] >= 0 else -1 - f[0], f[2]))
+        t0 = time.perf_counter()
         try:
             self._decode_flat(rows, flat, outs, filled)
         finally:
             for seq, (pos, _) in fillers.items():
                 L.llama_memory_seq_rm(self._mem, seq, pos, -1)
+        if shape is not None:
+            self.gaps.observe(shape, bool(fillers), time.perf_counter() - t0)
         return outs
 
-    def _gap_fillers(self, rows) -> dict[int, tuple[int, list[int]]]:
-        """Filler positions for the idle sequence ids between the rows' ids: {seq: (first position, tokens)}.
+    def _gap_fillers(self, rows) -> tuple[tuple[int, int, int] | None, dict[int, tuple[int, list[int]]]]:
+        """The batch's gap shape and filler positions for the idle sequence ids between the rows' ids:
+        (shape, {seq: (first position, tokens)}); (None, {}) where there is no gap to fill.
 
         split_equal(sequential) starts a new ubatch at every gap in the ids (rows of sequences 0, 1, 3 run
         as two passes over the weights: [0, 1] and [3]). Where every row has the same length n, an idle
-        sequence in the gap gets n throw-away positions after its cached ones (no logits; removed right
-        after the decode), so the step is one pass of a few more rows. The rows' own results are those of
-        the batch they are in (each sequence attends only to its own KV stream). Unequal rows split anyway
-        (a speculating sequence's gamma+1 rows beside single rows), so nothing is filled there."""
+        sequence in the gap can get n throw-away positions after its cached ones (no logits; removed right
+        after the decode), making the step one pass of a few more rows. Whether that is faster is timed per
+        shape (GapChooser). The rows' own results are those of the batch they are in (each sequence attends
+        only to its own KV stream). Unequal rows split anyway (a speculating sequence's gamma+1 rows beside
+        single rows, an admitted prompt), so nothing is filled there."""
         lengths = {len(toks) for _, toks, _ in rows}
-        if len(rows) < 2 or len(lengths) != 1:
-            return {}
+        if self.fill_gaps is False or len(rows) < 2 or len(lengths) != 1:
+            return None, {}
         n = lengths.pop()
         ids = sorted(seq for seq, _, _ in rows)
         gaps = [s for s in range(ids[0], ids[-1] + 1) if s not in set(ids)]
         if not gaps or n > 8 or len(gaps) > len(ids):
-            return {}
+            return None, {}
         tok = rows[0][1][0]
         fillers = {}
         for seq in gaps:
             base = len(self._seqs[seq])
             if base + n > self.n_ctx:
-                return {}                      # no room in that sequence: split as llama.cpp would
+                return None, {}                # no room in that sequence: split as llama.cpp would
             fillers[seq] = (base, [tok] * n)
-        return fillers
+        return (len(ids), len(gaps), n), fillers
 
     def _decode_flat(self, rows, flat, outs, filled) -> None:
         """llama_decode the flat positions in chunks of n_batch and copy the requested logits to outs."""
