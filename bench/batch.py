@@ -8,7 +8,12 @@ first token. A third server, edgerun with --parallel 1 (one generation at a time
 scheduler), gives the single-client baseline. Writes bench/results/batch.json and prints a table.
 
     nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
-        [--clients 1,2,4,8] [--rounds 2] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec]
+        [--clients 1,2,4,8] [--rounds 2] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec] [--llama-cache-ram 0]
+
+The prompts repeat (10 prompts; a level of 8 clients x 2 requests sends 6 of them twice, and earlier levels
+sent them too): llama-server's host-memory prompt cache (--cache-ram, on by default) then restores a prompt's
+KV instead of evaluating it, which edgerun does not do. --llama-cache-ram 0 turns it off to compare the batching
+alone.
 """
 
 from __future__ import annotations
@@ -91,6 +96,10 @@ def llama_server(model: str, draft: str | None, args) -> Proc:
            "--host", "127.0.0.1", "--port", str(port)]
     if draft:
         cmd += ["-md", str(resolve_model(draft, pull=False)), "-ngld", "0"]
+    if args.llama_cache_ram is not None:
+        # llama-server keeps finished prompts' KV in a host-memory cache (--cache-ram, 8192 MiB by default) and
+        # restores a repeated prompt instead of evaluating it; edgerun reuses only what a slot still holds
+        cmd += ["--cache-ram", str(args.llama_cache_ram)]
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_bin))}
     return Proc(f"llama-server -np {args.parallel}", cmd, f"http://127.0.0.1:{port}", env=env)
 
@@ -164,6 +173,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--configs", default="smollm2,qwen,qwen-spec")
+    ap.add_argument("--llama-cache-ram", type=int, default=None,
+                    help="llama-server --cache-ram MiB (0: no host prompt cache; default: llama-server's own)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]

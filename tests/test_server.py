@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from edgerun.serve.metrics import GenerationRecord, Metrics
+from edgerun.backends.base import common_prefix
 from edgerun.runtime import load
 from edgerun.serve.settings import ServerConfig
 from server_harness import (TINY_ARGS, GatedRuntime, InProcessServer, Meter, ServerProcess, clean_env, sse_events,
@@ -799,3 +800,57 @@ def test_a_half_closed_client_gets_its_answer(server, model):
         s.close()
         assert data.startswith(b"HTTP/1.1 200"), data[:200]
         assert (b"data: [DONE]" in data) if stream else (b'"finish_reason"' in data)
+
+
+@PARALLEL
+def test_prompt_cache_restores_a_repeated_prompt_and_changes_nothing(tiny_llama, parallel):
+    """A prompt seen before, whose slot cache other requests have overwritten since (every slot taken by a
+    held request), is restored from the prompt cache instead of evaluated, and the answer is the same as the
+    first time; with --prompt-cache 0 nothing is kept."""
+    model = str(tiny_llama)
+    long_a = "the water is cold and the river runs under the old stone bridge near the mill every spring morning"
+    body = {"model": model, "prompt": long_a, "max_tokens": 8, "temperature": 0}
+    for mib in (256, 0):
+        holder, out = {}, {}
+        with InProcessServer(ServerConfig(model=model, prompt_cache_mib=mib),
+                             _loader(tiny_llama, holder, parallel=parallel)) as srv:
+            wait_until(lambda: "rt" in holder, what="load")
+            rt, sch = holder["rt"], srv.state.scheduler
+            first = httpx.post(srv.url + COMPL, json=body, timeout=60).json()["choices"][0]["text"]
+            assert rt.entered.acquire(timeout=30)
+            rt.gate.clear()
+            for t in _hold(srv, rt, model, parallel, out, max_tokens=4, temperature=0):   # every slot overwritten
+                rt.gate.set()
+                t.join(60)
+            a = rt.tokenize(long_a)
+            assert all(common_prefix(s.target.tokens, a) < 16 for s in sch.slots)
+            again = httpx.post(srv.url + COMPL, json=body, timeout=60).json()["choices"][0]["text"]
+            hits = _metric(srv.url, "edgerun_prompt_cache_hits_total")
+            restored = _metric(srv.url, "edgerun_prompt_cache_restored_tokens_total")
+        assert again == first
+        if mib:
+            assert hits == 1 and restored >= 16
+        else:
+            assert hits == 0 and sch.prompt_cache is None
+
+
+def test_prompt_cache_keeps_the_longest_prefix_within_its_bytes():
+    from edgerun.backends.llamacpp import SeqState
+    from edgerun.serve.promptcache import PromptCache
+
+    def st(toks, n=100):
+        return SeqState(tuple(toks), b"\0" * n)
+
+    c = PromptCache(max_bytes=3 * (100 + 8 * 4))
+    c.put(st([1, 2, 3, 4]))
+    c.put(st([1, 2]))                         # a prefix of an entry: not kept twice
+    assert len(c) == 1
+    c.put(st([1, 2, 3, 4, 5, 6]))             # extends the entry: replaces it
+    assert len(c) == 1 and c.best([1, 2, 3, 4, 5, 9])[0] == 5
+    c.put(st([7, 8, 9, 10]))
+    c.put(st([11, 12, 13, 14]))
+    assert c.best([7, 8, 0])[0] == 2          # used: now the most recent
+    c.put(st([15, 16, 17, 18]))               # over the bound: the least recently used ([1..6]) goes
+    assert c.best([1, 2, 3])[0] == 0 and c.best([7, 8])[0] == 2 and c.nbytes <= c.max_bytes
+    c.put(st([1], n=10_000))                  # larger than the whole cache: not kept
+    assert c.best([1])[0] == 0

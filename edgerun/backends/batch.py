@@ -200,5 +200,14 @@ class SeqBackend:
     def truncate(self, n: int) -> None:
         self.group.truncate(self.shared, self.seq, n)
 
+    def save_state(self):
+        """This sequence's saved cache (the shared backend's save_seq, between the group's evaluations)."""
+        with self.group._engine:
+            return self.shared.save_seq(self.seq)
+
+    def restore_state(self, state) -> None:
+        with self.group._engine:
+            self.shared.restore_seq(self.seq, state)
+
     def close(self) -> None:
         """The shared backend is closed by its owner (the Runtime), not by a sequence."""

@@ -12,8 +12,10 @@ tokens) are sequence 0's.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -27,6 +29,17 @@ from ..errors import BackendError, InvalidArgument
 from ..tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SeqState:
+    """One sequence's saved KV cache (llama.cpp's per-sequence state) and the tokens it holds."""
+    tokens: tuple[int, ...]
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + 8 * len(self.tokens)
 
 
 def default_threads() -> int:
@@ -208,6 +221,35 @@ class LlamaCppBackend:
                         outs[r][filled[r]] = got[j]
                         filled[r] += 1
                         j += 1
+
+    def save_seq(self, seq: int) -> "SeqState":
+        """A copy of sequence `seq`'s KV cache and tokens (llama_state_seq_get_data), to restore later into
+        any sequence of this context (the serve prompt cache)."""
+        L = llama_lib.lib()
+        size = int(L.llama_state_seq_get_size(self._ctx, seq))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        got = int(L.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        if got != size:
+            raise BackendError(f"llama.cpp copied {got} of {size} bytes of sequence {seq}'s state")
+        return SeqState(tuple(self._seqs[seq]), bytes(buf)[:size])
+
+    def restore_seq(self, seq: int, state: "SeqState") -> None:
+        """Replace sequence `seq`'s cache with a saved one (llama_state_seq_set_data); on failure the
+        sequence is left empty (a fresh prefill follows) and BackendError is raised."""
+        L = llama_lib.lib()
+        self.truncate_seq(seq, 0)
+        buf = (ctypes.c_uint8 * max(len(state.data), 1)).from_buffer_copy(state.data or b"\0")
+        if int(L.llama_state_seq_set_data(self._ctx, buf, len(state.data), seq)) == 0:
+            L.llama_memory_seq_rm(self._mem, seq, 0, -1)
+            raise BackendError(f"llama.cpp could not restore a saved state of {len(state.tokens)} positions "
+                               f"into sequence {seq}")
+        self._seqs[seq][:] = state.tokens
+
+    def save_state(self) -> "SeqState":
+        return self.save_seq(0)
+
+    def restore_state(self, state: "SeqState") -> None:
+        self.restore_seq(0, state)
 
     def truncate_seq(self, seq: int, n: int) -> None:
         """Keep the first n positions of sequence `seq` (rollback)."""

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
+from .promptcache import PromptCache
 from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
@@ -53,8 +54,9 @@ class _State:
         self.config = config
         self.metrics = Metrics(model=config.model)
         self.request_exit = request_exit
+        cache = PromptCache(config.prompt_cache_mib * 1024 * 1024) if config.prompt_cache_mib > 0 else None
         self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
-                                   on_load_error=self._on_load_error, on_result=self._on_result)
+                                   on_load_error=self._on_load_error, on_result=self._on_result, prompt_cache=cache)
         self.model_names: set[str] = {config.model}
         if "/" in config.model or config.model.endswith(".gguf"):
             self.model_names.add(Path(config.model).name)
@@ -224,10 +226,13 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     async def metrics():
         sch = state.scheduler
         group = getattr(sch.slots[0], "group", None) if sch.slots else None
+        pc = sch.prompt_cache
         text = state.metrics.render(queue_depth=sch.depth, queue_limit=sch.queue_limit, busy=sch.busy,
                                     ready=sch.ready.is_set() and not sch.draining, slots=sch.n_slots,
                                     running=len(sch.running_jobs),
-                                    batch=(group.n_steps, group.n_rows, group.eval_s) if group is not None else (0, 0, 0.0))
+                                    batch=(group.n_steps, group.n_rows, group.eval_s) if group is not None else (0, 0, 0.0),
+                                    prompt_cache=(pc.hits, pc.saved_positions, pc.nbytes, len(pc)) if pc is not None
+                                    else (0, 0, 0, 0))
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")

@@ -87,7 +87,8 @@ class Metrics:
             self.gamma = gamma
 
     def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool, slots: int = 1,
-               running: int | None = None, batch: tuple[int, int, float] = (0, 0, 0.0)) -> str:
+               running: int | None = None, batch: tuple[int, int, float] = (0, 0, 0.0),
+               prompt_cache: tuple[int, int, int, int] = (0, 0, 0, 0)) -> str:
         """The exposition text. Live values (queue, readiness) are passed in by the caller."""
         with self._lock:
             out: list[str] = []
@@ -132,6 +133,14 @@ class Metrics:
             metric("edgerun_slots", "gauge", "Generations that can run at once (--parallel).", [("", slots)])
             metric("edgerun_running", "gauge", "Generations running now.",
                    [("", int(busy) if running is None else running)])
+            metric("edgerun_prompt_cache_hits_total", "counter",
+                   "Requests whose prompt prefix was restored from the prompt cache instead of evaluated.",
+                   [("", prompt_cache[0])])
+            metric("edgerun_prompt_cache_restored_tokens_total", "counter",
+                   "Prompt positions restored from the prompt cache (not evaluated).", [("", prompt_cache[1])])
+            metric("edgerun_prompt_cache_bytes", "gauge", "RAM held by the prompt cache.", [("", prompt_cache[2])])
+            metric("edgerun_prompt_cache_entries", "gauge", "Sequences held by the prompt cache.",
+                   [("", prompt_cache[3])])
             metric("edgerun_batch_steps_total", "counter", "Batched evaluations (continuous batching; 0 with one slot).",
                    [("", batch[0])])
             metric("edgerun_batch_rows_total", "counter", "Rows (positions of all sequences) in those evaluations.",

@@ -52,6 +52,7 @@ class JobResult:
 
     outcome: str
     n_prompt_tokens: int = 0
+    n_cached: int = 0               # prompt positions restored from the prompt cache (not evaluated)
     n_tokens: int = 0
     max_tokens: int = 0
     stats: GenStats = field(default_factory=GenStats)
@@ -119,7 +120,8 @@ class Scheduler:
     def __init__(self, load: Callable[[], Any], *, queue_limit: int = 8,
                  on_ready: Callable[[Any], None] | None = None,
                  on_load_error: Callable[[BaseException], None] | None = None,
-                 on_result: Callable[[JobResult], None] | None = None) -> None:
+                 on_result: Callable[[JobResult], None] | None = None, prompt_cache: Any = None) -> None:
+        self.prompt_cache = prompt_cache            # serve/promptcache.PromptCache, or None
         if not isinstance(queue_limit, int) or queue_limit < 0:
             raise InvalidArgument(f"queue_limit must be an integer >= 0, got {queue_limit!r}")
         self.queue_limit = queue_limit
@@ -389,6 +391,8 @@ class Scheduler:
             self._step_started[slot] = now
             prompt_tokens, constraint = prepared if prepared is not None else self._prepare(runtime, job)
             res.n_prompt_tokens = len(prompt_tokens)
+            if self.prompt_cache is not None and callable(getattr(runtime.target, "save_state", None)):
+                res.n_cached = self.prompt_cache.prepare(runtime.target, prompt_tokens)
             room = runtime.n_ctx - len(prompt_tokens)
             res.max_tokens = max(0, room if job.max_tokens is None else min(job.max_tokens, room))
             stream = runtime.stream_tokens(prompt_tokens, max_tokens=res.max_tokens, stop=job.stop,

@@ -32,6 +32,7 @@ class ServerConfig:
     api_key: str | None = None
     queue: int = 8                       # requests allowed to wait behind the running ones
     parallel: int | None = None          # generations batched at once (None: the device profile's)
+    prompt_cache_mib: int = 256          # RAM for finished sequences' KV caches (serve/promptcache.py); 0: off
     timeout_s: float = 300.0             # per-request limit: queue wait + generation
     max_body_bytes: int = 1 * MiB
     shutdown_grace_s: float = 10.0       # SIGTERM: how long the running generation may continue
@@ -51,6 +52,8 @@ class ServerConfig:
             raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
         if self.parallel is not None and not (isinstance(self.parallel, int) and 1 <= self.parallel <= 64):
             raise InvalidArgument(f"parallel must be an integer in 1..64 (generations at once), got {self.parallel!r}")
+        if not isinstance(self.prompt_cache_mib, int) or self.prompt_cache_mib < 0:
+            raise InvalidArgument(f"prompt cache must be an integer >= 0 MiB (0: off), got {self.prompt_cache_mib!r}")
         if not isinstance(self.queue, int) or self.queue < 0:
             raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
@@ -159,6 +162,12 @@ SETTINGS: tuple[Setting, ...] = (
             env_example="4",
             env_doc=("", "Continuous batching: generations served at once (each reserves a context's KV cache);",
                      "empty: the device profile's (4 unless the profile says otherwise).")),
+    Setting("prompt_cache_mib", ("--prompt-cache",), "EDGERUN_PROMPT_CACHE_MIB",
+            "MiB of RAM for finished requests' KV caches: a later prompt that starts the same way (a system "
+            "prompt, a retry, a conversation whose slot another client took) is restored instead of "
+            "evaluated. 0 turns it off.", type=click.IntRange(0, None), default=256, env_value="256",
+            env_doc=("", "Prompt cache: MiB of RAM for finished requests' KV caches, restored for a prompt that",
+                     "starts the same way (0: off).")),
     Setting("queue", ("--queue",), "EDGERUN_QUEUE",
             "Requests allowed to wait behind the running ones; more get 503 + Retry-After.",
             type=click.IntRange(0, None), default=8, env_value="8",
