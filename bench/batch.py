@@ -9,6 +9,7 @@ scheduler), gives the single-client baseline. Writes bench/results/batch.json an
 
     nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
         [--clients 1,2,4,8] [--rounds 2] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec] [--llama-cache-ram 0]
+        [--also-no-prompt-cache]
 
 The prompts repeat (10 prompts; a level of 8 clients x 2 requests sends 6 of them twice, and earlier levels
 sent them too): llama-server's host-memory prompt cache (--cache-ram, on by default) then restores a prompt's
@@ -78,9 +79,10 @@ class Proc:
             self.proc.kill()
 
 
-def edgerun_server(model: str, draft: str | None, args, parallel: int) -> Proc:
+def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_cache: int | None = None) -> Proc:
     port = free_port()
     cmd = [sys.executable, "-m", "edgerun", "serve", "--model", model, "--draft", draft or "none",
+           *(["--prompt-cache", str(prompt_cache)] if prompt_cache is not None else []),
            "--parallel", str(parallel), "--threads", str(args.threads), "--ctx", str(args.ctx),
            "--port", str(port), "--queue", "64", "--timeout", "900", "--no-pull"]
     return Proc(f"edgerun --parallel {parallel}", cmd, f"http://127.0.0.1:{port}")
@@ -175,6 +177,8 @@ def main() -> None:
     ap.add_argument("--configs", default="smollm2,qwen,qwen-spec")
     ap.add_argument("--llama-cache-ram", type=int, default=None,
                     help="llama-server --cache-ram MiB (0: no host prompt cache; default: llama-server's own)")
+    ap.add_argument("--also-no-prompt-cache", action="store_true",
+                    help="also measure edgerun with --prompt-cache 0 at every level (the cache's own effect)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
@@ -184,6 +188,8 @@ def main() -> None:
         servers = {"edgerun": edgerun_server(model, draft, args, args.parallel),
                    "llama-server": llama_server(model, draft, args),
                    "edgerun-p1": edgerun_server(model, draft, args, 1)}
+        if args.also_no_prompt_cache:
+            servers["edgerun-nocache"] = edgerun_server(model, draft, args, args.parallel, prompt_cache=0)
         try:
             for s in servers.values():
                 s.wait_ready()
@@ -194,6 +200,8 @@ def main() -> None:
                 order = ["edgerun", "llama-server"] if i % 2 == 0 else ["llama-server", "edgerun"]
                 if c == 1:
                     order.append("edgerun-p1")
+                if "edgerun-nocache" in servers:
+                    order.insert(i % 2, "edgerun-nocache")
                 row = {"clients": c}
                 for who in order:
                     row[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
@@ -221,6 +229,14 @@ def main() -> None:
             e = cfg["levels"][0]["edgerun"]
             print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {e['tok_s'] / p1['tok_s']:.2f}"
                   f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
+    if args.also_no_prompt_cache:
+        print("\n| config | clients | edgerun tok/s | edgerun --prompt-cache 0 tok/s | ratio | rows per batch (cache / none) |")
+        print("|---|---|---|---|---|---|")
+        for name, cfg in report["configs"].items():
+            for row in cfg["levels"]:
+                e, n = row["edgerun"], row["edgerun-nocache"]
+                print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {n['tok_s']:.1f} | {e['tok_s'] / n['tok_s']:.2f} | "
+                      f"{e['rows_per_batch'] or 0:.2f} / {n['rows_per_batch'] or 0:.2f} |")
     print(f"\nwritten {out}")
 
 
