@@ -854,3 +854,19 @@ def test_prompt_cache_keeps_the_longest_prefix_within_its_bytes():
     assert c.best([1, 2, 3])[0] == 0 and c.best([7, 8])[0] == 2 and c.nbytes <= c.max_bytes
     c.put(st([1], n=10_000))                  # larger than the whole cache: not kept
     assert c.best([1])[0] == 0
+
+
+def test_prompt_cache_never_takes_more_than_a_quarter_of_the_available_ram(monkeypatch, caplog):
+    import collections
+
+    import psutil
+
+    from edgerun.serve import promptcache
+
+    vm = collections.namedtuple("vm", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm(400 * 2**20))
+    assert promptcache.sized(0) is None
+    assert promptcache.sized(64).max_bytes == 64 * 2**20
+    with caplog.at_level("WARNING", logger="edgerun.serve.promptcache"):
+        assert promptcache.sized(256).max_bytes == 100 * 2**20
+    assert "keeping it to 100 MiB" in caplog.text

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
-from .promptcache import PromptCache
+from . import promptcache
 from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
@@ -54,7 +54,7 @@ class _State:
         self.config = config
         self.metrics = Metrics(model=config.model)
         self.request_exit = request_exit
-        cache = PromptCache(config.prompt_cache_mib * 1024 * 1024) if config.prompt_cache_mib > 0 else None
+        cache = promptcache.sized(config.prompt_cache_mib)
         self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
                                    on_load_error=self._on_load_error, on_result=self._on_result, prompt_cache=cache)
         self.model_names: set[str] = {config.model}

@@ -23,6 +23,22 @@ MIN_GAIN = 4           # positions a restore must save over the slot's own cache
                        # about 29 KB per position (Qwen-1.5B: 100 in 1 ms), far cheaper than evaluating 4
 
 
+def sized(mib: int) -> "PromptCache | None":
+    """The server's cache: `mib` MiB (0: none), but never more than a quarter of the RAM available now, so a
+    small board's cache cannot take the memory the model and its KV caches were checked against."""
+    if mib <= 0:
+        return None
+    import psutil
+
+    want = mib * 1024 * 1024
+    cap = psutil.virtual_memory().available // 4
+    if want > cap:
+        log.warning("prompt cache: %d MiB asked, %d MiB available; keeping it to %d MiB (a quarter)",
+                    mib, cap * 4 // 2**20, cap // 2**20)
+        want = cap
+    return PromptCache(int(want))
+
+
 class PromptCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
