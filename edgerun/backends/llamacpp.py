@@ -130,8 +130,9 @@ class LlamaCppBackend:
         # sequence id. With one KV stream per sequence llama.cpp splits a batch with split_equal(sequential):
         # a ubatch takes sequences only while each id is the previous one + 1, so 4 single rows posted in the
         # order 2, 0, 3, 1 ran as 3 ubatches, 25-30 ms against 21 ms in the order 0, 1, 2, 3 (SmolLM2, 2
-        # threads; bench/batch_steps.py). Ids with a gap (an idle slot between) would still split there, so
-        # the gap is filled (_gap_fillers): r = -1 - seq marks a filler position of seq, removed again below.
+        # threads; bench/batch_steps.py). Ids with a gap (an idle slot between) would still split there; where
+        # filling the gap is timed faster (_gap_fillers, GapChooser), r = -1 - seq marks a filler position of
+        # seq, removed again below.
         flat = []
         for r in sorted(range(len(rows)), key=lambda i: rows[i][0]):
             seq, toks, k = rows[r]
