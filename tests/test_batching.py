@@ -237,83 +237,82 @@ def test_batched_gamma_prices_the_second_pass_of_a_speculating_sequence():
         assert got == expect
 
 
-def test_rows_reach_llama_cpp_in_sequence_order(tiny_llama, monkeypatch):
+@pytest.fixture
+def four_seqs(tiny_llama):
+    """Two 4-sequence contexts of the tiny model, each sequence s holding tokens [1+s, 2+s, 3+s]: the one a
+    test batches, and a reference evaluated alone."""
+    from edgerun.config import BackendArgs
+
+    pair = [LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4)) for _ in range(2)]
+    try:
+        for b in pair:
+            for s in range(4):
+                b.eval_rows([(s, [1 + s, 2 + s, 3 + s], 1)])
+        yield tuple(pair)
+    finally:
+        for b in pair:
+            b.close()
+
+
+def test_rows_reach_llama_cpp_in_sequence_order(four_seqs, monkeypatch):
     """llama.cpp's split_equal takes consecutive sequence ids into one ubatch: rows posted out of order
     (2, 0, 3, 1) are handed over in ascending order, and each row still gets its own logits."""
     from edgerun import llama_lib
-    from edgerun.config import BackendArgs
 
-    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
-    ref = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
-    try:
-        for b in (be, ref):
-            for s in range(4):
-                b.eval_rows([(s, [1 + s, 2 + s, 3 + s], 1)])
-        L = llama_lib.lib()
-        seen = []
-        decode = L.llama_decode
+    be, ref = four_seqs
+    L = llama_lib.lib()
+    seen = []
+    decode = L.llama_decode
 
-        def spy(ctx, batch):
-            seen.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
-            return decode(ctx, batch)
-        monkeypatch.setattr(L, "llama_decode", spy)
-        order = [2, 0, 3, 1]
-        outs = be.eval_rows([(s, [10 + s, 20 + s], 2) for s in order])
-        monkeypatch.setattr(L, "llama_decode", decode)
-        assert seen == [[0, 0, 1, 1, 2, 2, 3, 3]]
-        for s, out in zip(order, outs):        # each row's logits are its own sequence's, alone
-            alone = ref.eval_rows([(s, [10 + s, 20 + s], 2)])[0]
-            np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
-    finally:
-        be.close()
-        ref.close()
+    def spy(ctx, batch):
+        seen.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return decode(ctx, batch)
+    monkeypatch.setattr(L, "llama_decode", spy)
+    order = [2, 0, 3, 1]
+    outs = be.eval_rows([(s, [10 + s, 20 + s], 2) for s in order])
+    monkeypatch.setattr(L, "llama_decode", decode)
+    assert seen == [[0, 0, 1, 1, 2, 2, 3, 3]]
+    for s, out in zip(order, outs):        # each row's logits are its own sequence's, alone
+        alone = ref.eval_rows([(s, [10 + s, 20 + s], 2)])[0]
+        np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
 
 
-def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouched(tiny_llama, monkeypatch):
+def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouched(four_seqs, monkeypatch):
     """split_equal starts a new ubatch at a gap in the ids (rows of 0, 1, 3 would run as [0, 1] and [3]):
     the idle sequence 2 gets throw-away positions in the same llama_decode, removed right after. The rows'
     logits are their own, sequence 2's cache is as it was (its next logits equal a fresh run), and unequal
     rows are not filled. (Filling forced here; whether it is used is learned by timing, next test.)"""
     from edgerun import llama_lib
-    from edgerun.config import BackendArgs
 
-    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
-    ref = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=4))
+    be, ref = four_seqs
     be.fill_gaps = True
-    try:
-        for b in (be, ref):
-            for s in range(4):
-                b.eval_rows([(s, [1 + s, 2 + s, 3 + s], 1)])
-        L = llama_lib.lib()
-        seen = []
-        decode = L.llama_decode
+    L = llama_lib.lib()
+    seen = []
+    decode = L.llama_decode
 
-        def spy(ctx, batch):
-            seen.append([(batch.seq_id[i][0], batch.pos[i], batch.logits[i]) for i in range(batch.n_tokens)])
-            return decode(ctx, batch)
-        monkeypatch.setattr(L, "llama_decode", spy)
-        outs = be.eval_rows([(3, [13], 1), (0, [10], 1), (1, [11], 1)])
-        uneven = be.eval_rows([(0, [20, 21], 1), (3, [23], 1)])
-        monkeypatch.setattr(L, "llama_decode", decode)
-        assert seen[0] == [(0, 3, 1), (1, 3, 1), (2, 3, 0), (3, 3, 1)]      # one decode, the gap filled
-        assert [s for s, _, _ in seen[1]] == [0, 0, 3]                       # unequal rows: nothing added
-        assert be.seq_tokens(2) == [3, 4, 5]
-        for s, tok, out in [(3, 13, outs[0]), (0, 10, outs[1]), (1, 11, outs[2])]:
-            alone = ref.eval_rows([(s, [tok], 1)])[0]
-            np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
-        np.testing.assert_allclose(uneven[0], ref.eval_rows([(0, [20, 21], 1)])[0], rtol=0, atol=1e-4)
-        # the idle sequence: the filler positions are gone from its cache
-        np.testing.assert_allclose(be.eval_rows([(2, [30, 31], 2)])[0], ref.eval_rows([(2, [30, 31], 2)])[0],
-                                   rtol=0, atol=1e-4)
-        be.fill_gaps = False                   # split, as llama.cpp would
-        seen.clear()
-        monkeypatch.setattr(L, "llama_decode", spy)
-        be.eval_rows([(0, [40], 1), (1, [41], 1), (3, [43], 1)])
-        monkeypatch.setattr(L, "llama_decode", decode)
-        assert [s for s, _, _ in seen[0]] == [0, 1, 3]
-    finally:
-        be.close()
-        ref.close()
+    def spy(ctx, batch):
+        seen.append([(batch.seq_id[i][0], batch.pos[i], batch.logits[i]) for i in range(batch.n_tokens)])
+        return decode(ctx, batch)
+    monkeypatch.setattr(L, "llama_decode", spy)
+    outs = be.eval_rows([(3, [13], 1), (0, [10], 1), (1, [11], 1)])
+    uneven = be.eval_rows([(0, [20, 21], 1), (3, [23], 1)])
+    monkeypatch.setattr(L, "llama_decode", decode)
+    assert seen[0] == [(0, 3, 1), (1, 3, 1), (2, 3, 0), (3, 3, 1)]      # one decode, the gap filled
+    assert [s for s, _, _ in seen[1]] == [0, 0, 3]                       # unequal rows: nothing added
+    assert be.seq_tokens(2) == [3, 4, 5]
+    for s, tok, out in [(3, 13, outs[0]), (0, 10, outs[1]), (1, 11, outs[2])]:
+        alone = ref.eval_rows([(s, [tok], 1)])[0]
+        np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(uneven[0], ref.eval_rows([(0, [20, 21], 1)])[0], rtol=0, atol=1e-4)
+    # the idle sequence: the filler positions are gone from its cache
+    np.testing.assert_allclose(be.eval_rows([(2, [30, 31], 2)])[0], ref.eval_rows([(2, [30, 31], 2)])[0],
+                               rtol=0, atol=1e-4)
+    be.fill_gaps = False                   # split, as llama.cpp would
+    seen.clear()
+    monkeypatch.setattr(L, "llama_decode", spy)
+    be.eval_rows([(0, [40], 1), (1, [41], 1), (3, [43], 1)])
+    monkeypatch.setattr(L, "llama_decode", decode)
+    assert [s for s, _, _ in seen[0]] == [0, 1, 3]
 
 
 def test_gap_filling_is_learned_by_timing_each_way(monkeypatch):
