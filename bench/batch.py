@@ -5,16 +5,21 @@ max_tokens). For each model configuration both servers run side by side (loaded 
 is measured); each concurrency level is measured on both back to back, alternating which goes first.
 Reported per level: aggregate completion tokens/s (all tokens / wall time of the level) and p50/p95 time to
 first token. A third server, edgerun with --parallel 1 (one generation at a time, the pre-batching
-scheduler), gives the single-client baseline. Writes bench/results/batch.json and prints a table.
+scheduler), gives the single-client baseline. With a drafter (qwen-spec) two more edgerun servers without
+it (--parallel N and 1) give speculation's own speedup at 1 and 2 clients, batched and alone.
+
+Single runs of a level scatter by 10-20% on a shared 2-core machine, so each level is measured --trials
+times on every server, the pair's order alternating; the table gives each server's median and the median
+of the trials' paired ratios with their range. Writes bench/results/batch.json and prints the tables.
 
     nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
-        [--clients 1,2,4,8] [--rounds 2] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec] [--llama-cache-ram 0]
-        [--also-no-prompt-cache]
+        [--clients 1,2,4,8] [--rounds 2] [--trials 3] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec]
+        [--llama-cache-ram 0] [--also-no-prompt-cache]
 
 The prompts repeat (10 prompts; a level of 8 clients x 2 requests sends 6 of them twice, and earlier levels
-sent them too): llama-server's host-memory prompt cache (--cache-ram, on by default) then restores a prompt's
-KV instead of evaluating it, which edgerun does not do. --llama-cache-ram 0 turns it off to compare the batching
-alone.
+and trials sent them too): both servers keep finished prompts' KV in host memory (llama-server --cache-ram,
+edgerun --prompt-cache) and restore a repeated prompt instead of evaluating it. --llama-cache-ram 0 and
+--also-no-prompt-cache measure without them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import PROMPTS, pct  # noqa: E402  (bench/serve.py: the load test's prompts and percentile)
@@ -164,6 +170,24 @@ async def level(url: str, model: str, clients: int, rounds: int, max_tokens: int
             "eval_share": (eval1 - eval0) / wall if steps1 > steps0 else None}
 
 
+def summarize(trials: list[dict]) -> dict:
+    """One server's level over its trials: the medians (tok/s, TTFT p50 / p95), the mean rows per batch."""
+    med = lambda key: float(np.median([t[key] for t in trials if t[key] is not None]))  # noqa: E731
+    rows = [t["rows_per_batch"] for t in trials if t["rows_per_batch"] is not None]
+    share = [t["eval_share"] for t in trials if t["eval_share"] is not None]
+    return {"tok_s": med("tok_s"), "ttft_p50_s": med("ttft_p50_s"), "ttft_p95_s": med("ttft_p95_s"),
+            "rows_per_batch": float(np.mean(rows)) if rows else None,
+            "eval_share": float(np.mean(share)) if share else None}
+
+
+def ratio_cell(ratios: list[float]) -> str:
+    """The median of the trials' paired ratios, their range, and how many pairs are at or above 1."""
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}"
+    return (f"{float(np.median(ratios)):.2f} ({min(ratios):.2f}–{max(ratios):.2f}, "
+            f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-bin", required=True, help="directory of a llama.cpp build with llama-server "
@@ -174,6 +198,9 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--trials", type=int, default=3,
+                    help="times each level is measured on each server, in alternating order; the table gives "
+                         "medians and the median of the paired ratios")
     ap.add_argument("--configs", default="smollm2,qwen,qwen-spec")
     ap.add_argument("--llama-cache-ram", type=int, default=None,
                     help="llama-server --cache-ram MiB (0: no host prompt cache; default: llama-server's own)")
@@ -188,6 +215,11 @@ def main() -> None:
         servers = {"edgerun": edgerun_server(model, draft, args, args.parallel),
                    "llama-server": llama_server(model, draft, args),
                    "edgerun-p1": edgerun_server(model, draft, args, 1)}
+        if draft:
+            # the speedup speculation gives alone (--parallel 1 with / without the drafter) and in the batching
+            # server (--parallel N with / without it), measured at 1 and 2 clients
+            servers["edgerun-nodraft"] = edgerun_server(model, None, args, args.parallel)
+            servers["edgerun-p1-nodraft"] = edgerun_server(model, None, args, 1)
         if args.also_no_prompt_cache:
             servers["edgerun-nocache"] = edgerun_server(model, draft, args, args.parallel, prompt_cache=0)
         try:
@@ -197,16 +229,36 @@ def main() -> None:
                 asyncio.run(level(s.url, model, args.parallel, 1, args.max_tokens))   # the tuner's first cycles)
             rows = []
             for i, c in enumerate(levels):
-                order = ["edgerun", "llama-server"] if i % 2 == 0 else ["llama-server", "edgerun"]
+                row = {"clients": c, "trials": []}
+                for t in range(args.trials):
+                    # the pair's order alternates trial by trial (and level by level), so a drift of the
+                    # machine's speed during a level falls on both servers alike
+                    order = ["edgerun", "llama-server"] if (i + t) % 2 == 0 else ["llama-server", "edgerun"]
+                    if c == 1:
+                        order.append("edgerun-p1")
+                    if draft and c <= 2:
+                        order += ["edgerun-nodraft"] + (["edgerun-p1-nodraft"] if c == 1 else [])
+                    if "edgerun-nocache" in servers:
+                        order.insert((i + t) % 2, "edgerun-nocache")
+                    trial = {}
+                    for who in order:
+                        trial[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
+                        print(f"{name} {c} clients trial {t + 1}/{args.trials} {who}: {trial[who]['tok_s']:.1f} "
+                              f"tok/s, TTFT p50 {trial[who]['ttft_p50_s']:.2f} s", flush=True)
+                    row["trials"].append(trial)
+                for who in row["trials"][0]:
+                    row[who] = summarize([tr[who] for tr in row["trials"]])
+                row["ratios"] = [tr["edgerun"]["tok_s"] / tr["llama-server"]["tok_s"] for tr in row["trials"]]
                 if c == 1:
-                    order.append("edgerun-p1")
+                    row["p1_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-p1"]["tok_s"] for tr in row["trials"]]
+                if draft and c <= 2:
+                    row["spec_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-nodraft"]["tok_s"] for tr in row["trials"]]
+                if draft and c == 1:
+                    row["spec_alone_ratios"] = [tr["edgerun-p1"]["tok_s"] / tr["edgerun-p1-nodraft"]["tok_s"]
+                                                for tr in row["trials"]]
                 if "edgerun-nocache" in servers:
-                    order.insert(i % 2, "edgerun-nocache")
-                row = {"clients": c}
-                for who in order:
-                    row[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
-                    print(f"{name} {c} clients {who}: {row[who]['tok_s']:.1f} tok/s, TTFT p50 "
-                          f"{row[who]['ttft_p50_s']:.2f} s", flush=True)
+                    row["cache_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-nocache"]["tok_s"]
+                                           for tr in row["trials"]]
                 rows.append(row)
             report["configs"][name] = {"model": model, "draft": draft, "levels": rows}
         finally:
@@ -221,21 +273,31 @@ def main() -> None:
     for name, cfg in report["configs"].items():
         for row in cfg["levels"]:
             e, ls = row["edgerun"], row["llama-server"]
-            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {e['tok_s'] / ls['tok_s']:.2f} | "
+            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {ratio_cell(row['ratios'])} | "
                   f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
                   f"{e['rows_per_batch'] or 0:.2f} | {e.get('eval_share') or 0:.0%} |")
         p1 = cfg["levels"][0].get("edgerun-p1")
         if p1:
             e = cfg["levels"][0]["edgerun"]
-            print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {e['tok_s'] / p1['tok_s']:.2f}"
+            print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {ratio_cell(cfg['levels'][0]['p1_ratios'])}"
                   f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
+    spec = {name: cfg for name, cfg in report["configs"].items() if cfg["draft"]}
+    if spec:
+        print("\n| config | clients | edgerun with the drafter / without it (--parallel N) | "
+              "--parallel 1 with / without it (speculation alone) |")
+        print("|---|---|---|---|")
+        for name, cfg in spec.items():
+            for row in cfg["levels"]:
+                if "spec_ratios" in row:
+                    alone = ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""
+                    print(f"| {name} | {row['clients']} | {ratio_cell(row['spec_ratios'])} | {alone} |")
     if args.also_no_prompt_cache:
         print("\n| config | clients | edgerun tok/s | edgerun --prompt-cache 0 tok/s | ratio | rows per batch (cache / none) |")
         print("|---|---|---|---|---|---|")
         for name, cfg in report["configs"].items():
             for row in cfg["levels"]:
                 e, n = row["edgerun"], row["edgerun-nocache"]
-                print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {n['tok_s']:.1f} | {e['tok_s'] / n['tok_s']:.2f} | "
+                print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {n['tok_s']:.1f} | {ratio_cell(row['cache_ratios'])} | "
                       f"{e['rows_per_batch'] or 0:.2f} / {n['rows_per_batch'] or 0:.2f} |")
     print(f"\nwritten {out}")
 
