@@ -14,12 +14,13 @@ of the trials' paired ratios with their range. Writes bench/results/batch.json a
 
     nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
         [--clients 1,2,4,8] [--rounds 2] [--trials 3] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec]
-        [--llama-cache-ram 0] [--also-no-prompt-cache]
+        [--llama-cache-ram 0] [--also-no-prompt-cache] [--also-asyncio]
 
 The prompts repeat (10 prompts; a level of 8 clients x 2 requests sends 6 of them twice, and earlier levels
 and trials sent them too): both servers keep finished prompts' KV in host memory (llama-server --cache-ram,
 edgerun --prompt-cache) and restore a repeated prompt instead of evaluating it. --llama-cache-ram 0 and
---also-no-prompt-cache measure without them.
+--also-no-prompt-cache measure without them. edgerun serves on uvloop where it is installed (the serve
+extra); --also-asyncio adds an edgerun with uvloop hidden from it (the standard asyncio loop) at every level.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -85,13 +87,21 @@ class Proc:
             self.proc.kill()
 
 
-def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_cache: int | None = None) -> Proc:
+def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_cache: int | None = None,
+                   asyncio_loop: bool = False) -> Proc:
     port = free_port()
+    env = None
+    if asyncio_loop:
+        # uvicorn's loop="auto" takes uvloop when it imports; a module of that name that refuses to import,
+        # first on the path, leaves it the standard asyncio loop
+        shadow = tempfile.mkdtemp(prefix="edgerun-bench-")
+        Path(shadow, "uvloop.py").write_text("raise ImportError('hidden by bench/batch.py --also-asyncio')\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([shadow, *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "edgerun", "serve", "--model", model, "--draft", draft or "none",
            *(["--prompt-cache", str(prompt_cache)] if prompt_cache is not None else []),
            "--parallel", str(parallel), "--threads", str(args.threads), "--ctx", str(args.ctx),
            "--port", str(port), "--queue", "64", "--timeout", "900", "--no-pull"]
-    return Proc(f"edgerun --parallel {parallel}", cmd, f"http://127.0.0.1:{port}")
+    return Proc(f"edgerun --parallel {parallel}", cmd, f"http://127.0.0.1:{port}", env=env)
 
 
 def llama_server(model: str, draft: str | None, args) -> Proc:
@@ -206,6 +216,8 @@ def main() -> None:
                     help="llama-server --cache-ram MiB (0: no host prompt cache; default: llama-server's own)")
     ap.add_argument("--also-no-prompt-cache", action="store_true",
                     help="also measure edgerun with --prompt-cache 0 at every level (the cache's own effect)")
+    ap.add_argument("--also-asyncio", action="store_true",
+                    help="also measure edgerun on the standard asyncio loop (uvloop hidden) at every level")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
@@ -222,6 +234,8 @@ def main() -> None:
             servers["edgerun-p1-nodraft"] = edgerun_server(model, None, args, 1)
         if args.also_no_prompt_cache:
             servers["edgerun-nocache"] = edgerun_server(model, draft, args, args.parallel, prompt_cache=0)
+        if args.also_asyncio:
+            servers["edgerun-asyncio"] = edgerun_server(model, draft, args, args.parallel, asyncio_loop=True)
         try:
             for s in servers.values():
                 s.wait_ready()
@@ -240,6 +254,8 @@ def main() -> None:
                         order += ["edgerun-nodraft"] + (["edgerun-p1-nodraft"] if c == 1 else [])
                     if "edgerun-nocache" in servers:
                         order.insert((i + t) % 2, "edgerun-nocache")
+                    if "edgerun-asyncio" in servers:
+                        order.insert((i + t + 1) % 2, "edgerun-asyncio")
                     trial = {}
                     for who in order:
                         trial[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
@@ -259,6 +275,9 @@ def main() -> None:
                 if "edgerun-nocache" in servers:
                     row["cache_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-nocache"]["tok_s"]
                                            for tr in row["trials"]]
+                if "edgerun-asyncio" in servers:
+                    row["uvloop_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-asyncio"]["tok_s"]
+                                            for tr in row["trials"]]
                 rows.append(row)
             report["configs"][name] = {"model": model, "draft": draft, "levels": rows}
         finally:
@@ -299,6 +318,13 @@ def main() -> None:
                 e, n = row["edgerun"], row["edgerun-nocache"]
                 print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {n['tok_s']:.1f} | {ratio_cell(row['cache_ratios'])} | "
                       f"{e['rows_per_batch'] or 0:.2f} / {n['rows_per_batch'] or 0:.2f} |")
+    if args.also_asyncio:
+        print("\n| config | clients | edgerun (uvloop) tok/s | edgerun (asyncio loop) tok/s | ratio |")
+        print("|---|---|---|---|---|")
+        for name, cfg in report["configs"].items():
+            for row in cfg["levels"]:
+                e, a = row["edgerun"], row["edgerun-asyncio"]
+                print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {a['tok_s']:.1f} | {ratio_cell(row['uvloop_ratios'])} |")
     print(f"\nwritten {out}")
 
 

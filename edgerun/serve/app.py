@@ -516,6 +516,16 @@ async def _read_json(request, limit: int) -> Any:
 async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
     """The job's next event. A job still queued at its deadline leaves the queue (503); a running one
     is stopped by the worker at its next step; one stuck longer than the deadline + slack gets 504."""
+    try:
+        event = job.events.get_nowait()       # the worker is ahead of the client: no timer, no task
+    except asyncio.QueueEmpty:
+        return await _wait_event(state, job)
+    if event[0] == "end":
+        job.finished = True
+    return event
+
+
+async def _wait_event(state: _State, job: Job) -> tuple[str, Any]:
     slack = 60.0 + state.config.shutdown_grace_s
     while True:
         now = time.monotonic()
@@ -525,13 +535,22 @@ async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
             raise APIError(504, "generation stalled past the request's time limit", type="server_error",
                            code="timeout")
         try:
-            event = await asyncio.wait_for(job.events.get(), timeout=timeout)
+            event = await _get_within(job.events, timeout)
         except asyncio.TimeoutError:
             state.scheduler.expire(job)      # queued past the deadline: its end event follows
             continue
         if event[0] == "end":
             job.finished = True
         return event
+
+
+if hasattr(asyncio, "timeout"):            # Python 3.11+: a deadline on the current task, no extra task
+    async def _get_within(queue: asyncio.Queue, timeout: float):
+        async with asyncio.timeout(timeout):
+            return await queue.get()
+else:                                      # pragma: no cover - Python 3.10
+    async def _get_within(queue: asyncio.Queue, timeout: float):
+        return await asyncio.wait_for(queue.get(), timeout=timeout)
 
 
 async def _cancel_on_disconnect(request, scheduler: Scheduler, job: Job) -> None:
