@@ -198,6 +198,17 @@ def ratio_cell(ratios: list[float]) -> str:
             f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1)")
 
 
+def versus_table(report: dict, other: str, ratios: str, label: str) -> None:
+    """edgerun beside one of its variants (another server measured at every level), level by level."""
+    print(f"\n| config | clients | edgerun tok/s | {label} tok/s | ratio | rows per batch (edgerun / {label}) |")
+    print("|---|---|---|---|---|---|")
+    for name, cfg in report["configs"].items():
+        for row in cfg["levels"]:
+            e, o = row["edgerun"], row[other]
+            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {o['tok_s']:.1f} | {ratio_cell(row[ratios])} | "
+                  f"{e['rows_per_batch'] or 0:.2f} / {o['rows_per_batch'] or 0:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-bin", required=True, help="directory of a llama.cpp build with llama-server "
@@ -311,20 +322,9 @@ def main() -> None:
                     alone = ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""
                     print(f"| {name} | {row['clients']} | {ratio_cell(row['spec_ratios'])} | {alone} |")
     if args.also_no_prompt_cache:
-        print("\n| config | clients | edgerun tok/s | edgerun --prompt-cache 0 tok/s | ratio | rows per batch (cache / none) |")
-        print("|---|---|---|---|---|---|")
-        for name, cfg in report["configs"].items():
-            for row in cfg["levels"]:
-                e, n = row["edgerun"], row["edgerun-nocache"]
-                print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {n['tok_s']:.1f} | {ratio_cell(row['cache_ratios'])} | "
-                      f"{e['rows_per_batch'] or 0:.2f} / {n['rows_per_batch'] or 0:.2f} |")
+        versus_table(report, "edgerun-nocache", "cache_ratios", "edgerun --prompt-cache 0")
     if args.also_asyncio:
-        print("\n| config | clients | edgerun (uvloop) tok/s | edgerun (asyncio loop) tok/s | ratio |")
-        print("|---|---|---|---|---|")
-        for name, cfg in report["configs"].items():
-            for row in cfg["levels"]:
-                e, a = row["edgerun"], row["edgerun-asyncio"]
-                print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {a['tok_s']:.1f} | {ratio_cell(row['uvloop_ratios'])} |")
+        versus_table(report, "edgerun-asyncio", "uvloop_ratios", "edgerun on the asyncio loop")
     print(f"\nwritten {out}")
 
 

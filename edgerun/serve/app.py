@@ -519,7 +519,7 @@ async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
     try:
         event = job.events.get_nowait()       # the worker is ahead of the client: no timer, no task
     except asyncio.QueueEmpty:
-        return await _wait_event(state, job)
+        event = await _wait_event(state, job)
     if event[0] == "end":
         job.finished = True
     return event
@@ -539,8 +539,6 @@ async def _wait_event(state: _State, job: Job) -> tuple[str, Any]:
         except asyncio.TimeoutError:
             state.scheduler.expire(job)      # queued past the deadline: its end event follows
             continue
-        if event[0] == "end":
-            job.finished = True
         return event
 
 
