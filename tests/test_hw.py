@@ -108,6 +108,32 @@ def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
     assert probe_costs(tiny_target, None, n_max=4, reps=1) == curve
 
 
+def test_drafter_probe_beside_a_contended_target_step_is_not_cached(tiny_target, tiny_llama, monkeypatch):
+    """Servers started together each probe while the others do: every repetition is slow alike, so only the
+    target's step set beside the curve shows it; such a drafter cost is used once, never cached."""
+    from edgerun.backends.llamacpp import LlamaCppBackend
+    from edgerun.config import BackendArgs
+    from edgerun.device import costprobe
+    from edgerun.spec.drafters import ModelDrafter
+
+    monkeypatch.setattr(costprobe, "_busy", lambda: False)
+    draft_be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=256, n_threads=1))
+    try:
+        drafter = ModelDrafter(draft_be, tiny_target)
+        curve = probe_costs(tiny_target, None, n_max=4, reps=1)              # the quiet curve, cached
+        real = costprobe.target_step_now
+        assert 0 < real(tiny_target) and tiny_target.n_past == 0
+        monkeypatch.setattr(costprobe, "target_step_now", lambda t, **kw: 2.0 * curve.t_verify[0])
+        assert probe_costs(tiny_target, drafter, n_max=4, reps=1).t_draft > 0
+        assert not list(store.probes_dir().glob("draft-*.json"))
+        monkeypatch.setattr(costprobe, "target_step_now", lambda t, **kw: curve.t_verify[0])
+        td = probe_costs(tiny_target, drafter, n_max=4, reps=1).t_draft
+        assert len(list(store.probes_dir().glob("draft-*.json"))) == 1
+        assert probe_costs(tiny_target, drafter, n_max=4, reps=1).t_draft == td     # read back
+    finally:
+        draft_be.close()
+
+
 def test_unsteady_repetitions_are_not_trusted():
     from edgerun.device.costprobe import unsteady
 

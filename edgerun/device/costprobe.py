@@ -20,6 +20,11 @@ from .probecache import atomic_write_json, device_identity, file_sha256, key_of,
 
 log = logging.getLogger(__name__)
 
+# a target step slower than this against the cached curve: the drafter's probe beside it ran contended.
+# Measured: five servers started together on a 2-core Zen 3 cached a 0.5B drafter's step at 63 ms, twice its
+# 31 ms alone, and the tuner, believing the drafter as dear as the 1.5B target, never drafted
+CONTENDED_RATIO = 1.3
+
 _TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
          "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
          "The quick brown fox jumps over the lazy dog while the compiler checks every line. ")
@@ -113,6 +118,26 @@ def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, contex
     return float(np.min(per_token))           # noise only adds time: the fastest call
 
 
+def target_step_now(target, *, reps: int = 3, context: int = 16) -> float:
+    """Fastest seconds of a one-token target step now, after `context` cached tokens (cache left empty).
+
+    Set beside the cost curve it tells whether a measurement just made ran on a contended machine: a
+    probe that ran while another process held the cores (servers started together, each probing) is
+    slow throughout, so its repetitions agree with each other, but not with the curve measured quietly."""
+    context = max(1, min(context, target.n_ctx - 2))
+    seq = _probe_tokens(target, context + 1)
+    target.truncate(0)
+    target.eval(seq[:context], n_logits=0)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        target.eval(seq[context:context + 1])
+        best = min(best, time.perf_counter() - t0)
+        target.truncate(context)
+    target.truncate(0)
+    return best
+
+
 def _model_id(backend) -> str | None:
     """Content hash of the backend's model file (a directory model is identified by its path)."""
     path = getattr(backend, "path", None)
@@ -167,7 +192,13 @@ def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_
             td = float(ddoc["t_draft"])
         else:
             td = measure_draft_step(drafter, target)
-            if dpath and not _busy():
+            now = target_step_now(target)
+            contended = now > CONTENDED_RATIO * tv[0]
+            if contended:
+                log.warning("the target's step took %.1f ms right after the drafter's probe, %.1fx the curve's %.1f ms: "
+                            "the machine was contended, so the drafter's cost is not cached (the gamma tuner corrects "
+                            "it online)", now * 1e3, now / tv[0], tv[0] * 1e3)
+            if dpath and not _busy() and not contended:
                 atomic_write_json(dpath, {"t_draft": td, "drafter": getattr(drafter, "name", "?"),
                                           "device": device_identity()})
     return CostCurve(t_verify=tuple(tv), t_draft=td, source="measured")
