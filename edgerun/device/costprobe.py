@@ -118,24 +118,13 @@ def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, contex
     return float(np.min(per_token))           # noise only adds time: the fastest call
 
 
-def target_step_now(target, *, reps: int = 3, context: int = 16) -> float:
-    """Fastest seconds of a one-token target step now, after `context` cached tokens (cache left empty).
+def target_step_now(target, *, reps: int = 3) -> float:
+    """Fastest seconds of a one-token target step now (the curve's first point, measured again).
 
     Set beside the cost curve it tells whether a measurement just made ran on a contended machine: a
     probe that ran while another process held the cores (servers started together, each probing) is
     slow throughout, so its repetitions agree with each other, but not with the curve measured quietly."""
-    context = max(1, min(context, target.n_ctx - 2))
-    seq = _probe_tokens(target, context + 1)
-    target.truncate(0)
-    target.eval(seq[:context], n_logits=0)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        target.eval(seq[context:context + 1])
-        best = min(best, time.perf_counter() - t0)
-        target.truncate(context)
-    target.truncate(0)
-    return best
+    return measure_verify_curve(target, n_max=1, reps=reps)[0]
 
 
 def _model_id(backend) -> str | None:
