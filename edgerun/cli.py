@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -16,17 +15,9 @@ import click
 from . import __version__
 from .config import DEFAULT_MODEL
 from .errors import EdgerunError
+from .util.atomic import stop_on_signal
 from .serve import settings as serve_settings
 
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM ends a long write (quantize, export, convert, pull) through SystemExit, so its `finally` blocks remove the
-    temporary file (the default action kills the process with the file left behind)."""
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 class _Group(click.Group):
@@ -454,7 +445,7 @@ def pull(names, pull_all, verify, force, variant):
     """
     from . import registry
 
-    _exit_on_sigterm()            # a stopped pull removes its temporaries (downloads, the partial file)
+    stop_on_signal()            # a stopped pull removes its temporaries (downloads, the partial file)
     from .errors import InvalidArgument, ModelNotFound
 
     if pull_all:
@@ -660,7 +651,7 @@ def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no
     from .config import QuantArgs
     from .quant.pipeline import quantize as run
 
-    _exit_on_sigterm()
+    stop_on_signal()
     args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
                      grid=grid)
 
@@ -764,7 +755,7 @@ def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_j
     from .onnx.layout import read_config
     from .registry.cache import resolve_model
 
-    _exit_on_sigterm()
+    stop_on_signal()
     src = Path(source) if Path(source).exists() else resolve_model(source, pull=not no_pull)
     out = export_onnx(src, out_dir, n_ctx=n_ctx, accuracy_level=accuracy_level, force=force,
                       progress=None if as_json else (lambda msg: click.echo(msg, err=True)))
@@ -800,7 +791,7 @@ def convert_cmd(source, out, exact, n_ctx, accuracy_level, force, as_json):
     """
     from .convert import convert
 
-    _exit_on_sigterm()
+    stop_on_signal()
     rep = convert(source, out, exact=exact, n_ctx=n_ctx, accuracy_level=accuracy_level, force=force)
     if as_json:
         click.echo(json.dumps(rep.to_dict(), indent=1))

@@ -35,7 +35,7 @@ from ..errors import InvalidArgument, QuantizationError
 from ..formats.gguf import KV, GGUFSource, TensorPlan, hparam_kv, source_kv, write_gguf
 from ..formats.hf import HFSource
 from ..formats import open_source
-from ..util.atomic import check_destination
+from ..util.atomic import check_destination, raise_if_stopped
 from ..reference.llama import block_forward
 from . import awq
 from . import formats as F
@@ -341,6 +341,7 @@ def _tensor_data(src, cfg: ModelConfig, args: QuantArgs, seqs, n_search: int, se
         i, rest = int(n.split(".")[1]), ".".join(n.split(".")[2:])
         if rest != f"{cfg.spec.block[0][0]}.weight":
             continue                                                            # yielded with its block
+        raise_if_stopped()                              # a SIGTERM the numerics swallowed stops at the next layer
         prefix = f"blk.{i}."
         bnames = [m for m in src.tensor_names() if m.startswith(prefix)]
         kept = {m: _kept(src, m, storage_type(cfg, m, args), args) for m in bnames}     # (rtn only)

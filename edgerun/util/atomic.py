@@ -11,12 +11,34 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import InvalidArgument
+
+_stop_signal: int | None = None     # the signal that asked this process to stop; sticky once set
+
+
+def stop_on_signal(signum: int = signal.SIGTERM) -> None:
+    """`signum` ends a long write through SystemExit(128 + signum), so `finally` blocks remove temporaries (the
+    default action kills the process with the file left behind). The request is also remembered: a SystemExit
+    raised where Python ignores exceptions (a `__del__`, a ctypes callback from llama.cpp) is lost, and then
+    `raise_if_stopped` (called before every commit and between long steps) raises it again."""
+    def handler(sig, frame):
+        global _stop_signal
+        _stop_signal = sig
+        raise SystemExit(128 + sig)
+
+    signal.signal(signum, handler)
+
+
+def raise_if_stopped() -> None:
+    """Raise SystemExit(128 + signal) if a stop was requested; a no-op otherwise."""
+    if _stop_signal is not None:
+        raise SystemExit(128 + _stop_signal)
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -92,6 +114,7 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = ".part", mode: int = 0
     tmp = Path(name)
     try:
         yield tmp
+        raise_if_stopped()           # a stop whose first SystemExit was swallowed never commits a file
         _fsync_file(tmp)
         os.chmod(tmp, mode)          # mkstemp creates 0600; what edgerun writes is meant to be shared
         os.replace(tmp, dest)
@@ -121,6 +144,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmpdir", dir=dest.parent))
     try:
         yield tmp
+        raise_if_stopped()
         for f in tmp.iterdir():
             if f.is_file():
                 _fsync_file(f)
