@@ -639,30 +639,38 @@ def test_a_disconnect_mid_batch_frees_its_slot_and_leaves_the_others_untouched(t
         assert _metric(srv.url, 'edgerun_generations_total{outcome="cancelled"}') == 1
 
 
-def test_a_request_goes_to_the_slot_that_holds_its_prefix(tiny_llama):
-    """A free slot that holds the longest prefix of a prompt (a conversation's earlier turns) takes it."""
+def test_a_request_runs_on_the_packed_slot_with_the_prefix_another_slot_holds(tiny_llama):
+    """A lone request runs on the lowest free slot (busy sequence ids stay contiguous: a gap costs llama.cpp a
+    second pass), and a longer prefix of its prompt cached in another free slot is copied there, not evaluated
+    again; the slot it was copied from keeps its cache."""
     model = str(tiny_llama)
     holder, out = {}, {}
     prompts = {"x": "the story so far: one two three four five", "y": "a different conversation entirely"}
     with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, holder, parallel=2)) as srv:
         wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
         rt, sch = holder["rt"], srv.state.scheduler
-        rt.gate.clear()                                 # both slots busy at once: one prompt each
-        threads = [_post_in_thread(srv.url, COMPL, {"model": model, "prompt": p, "max_tokens": 4,
-                                                    "temperature": 0}, out, k) for k, p in prompts.items()]
-        for _ in threads:
+        rt.gate.clear()                                 # both slots busy at once: y on slot 0, then x on slot 1
+        threads = []
+        for k in ("y", "x"):
+            threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts[k], "max_tokens": 4,
+                                                            "temperature": 0}, out, k))
             assert rt.entered.acquire(timeout=30)
         rt.gate.set()
         for t in threads:
             t.join(60)
         caches = [list(s.target.tokens) for s in sch.slots]
         x = rt.tokenize(prompts["x"])
-        holds_x = next(i for i, c in enumerate(caches) if c[:len(x)] == x)
-        for _ in range(3):                              # the same conversation, one turn further each time
+        assert caches[1][:len(x)] == x and caches[0][:len(x)] != x
+        group = sch.slots[0].group
+        for turn in range(3):                           # the same conversation, one turn further each time
+            rows, moved = group.n_rows, sch.n_moved
             r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": prompts["x"] + " six", "max_tokens": 4,
                                                   "temperature": 0}, timeout=60)
             assert r.status_code == 200, r.text
-            assert list(sch.slots[1 - holds_x].target.tokens) == caches[1 - holds_x]    # the other slot untouched
+            assert list(sch.slots[0].target.tokens[:len(x)]) == x                  # it ran on slot 0
+            assert sch.n_moved - moved == (1 if turn == 0 else 0)   # copied once, then slot 0 holds it
+            assert group.n_rows - rows < len(x)          # the cached prefix was not evaluated again
+            assert list(sch.slots[1].target.tokens) == caches[1]                  # slot 1 untouched
 
 
 # --- /metrics text ---------------------------------------------------------------------------------
