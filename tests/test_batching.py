@@ -19,6 +19,12 @@ from edgerun.runtime import load
 from edgerun.spec.sampling import probs
 from test_verify import P_FAIL, P_PASS, chisquare_pooled
 
+# A row's logits, batched with other sequences' rows, against the same row evaluated alone. llama.cpp's
+# multi-row kernels round differently from its one-row path: on an AVX-512 CPU (AMD Zen 4) sequence 3 of the
+# tiny model differs by 2.6e-4 whenever it shares a ubatch with sequence 2, filler row or not, while a row that
+# saw a position it should not have (a filler left in the cache) differs by 1.75.
+ROW_ATOL = 1e-3
+
 PROMPTS = ["the quick brown fox", "one two three one two three", "hello there", "a b c d e f"]
 
 
@@ -274,7 +280,7 @@ def test_rows_reach_llama_cpp_in_sequence_order(four_seqs, monkeypatch):
     assert seen == [[0, 0, 1, 1, 2, 2, 3, 3]]
     for s, out in zip(order, outs):        # each row's logits are its own sequence's, alone
         alone = ref.eval_rows([(s, [10 + s, 20 + s], 2)])[0]
-        np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(out, alone, rtol=0, atol=ROW_ATOL)
 
 
 def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouched(four_seqs, monkeypatch):
@@ -302,11 +308,11 @@ def test_a_gap_in_the_sequence_ids_is_filled_and_leaves_the_idle_sequence_untouc
     assert be.seq_tokens(2) == [3, 4, 5]
     for s, tok, out in [(3, 13, outs[0]), (0, 10, outs[1]), (1, 11, outs[2])]:
         alone = ref.eval_rows([(s, [tok], 1)])[0]
-        np.testing.assert_allclose(out, alone, rtol=0, atol=1e-4)
-    np.testing.assert_allclose(uneven[0], ref.eval_rows([(0, [20, 21], 1)])[0], rtol=0, atol=1e-4)
+        np.testing.assert_allclose(out, alone, rtol=0, atol=ROW_ATOL)
+    np.testing.assert_allclose(uneven[0], ref.eval_rows([(0, [20, 21], 1)])[0], rtol=0, atol=ROW_ATOL)
     # the idle sequence: the filler positions are gone from its cache
     np.testing.assert_allclose(be.eval_rows([(2, [30, 31], 2)])[0], ref.eval_rows([(2, [30, 31], 2)])[0],
-                               rtol=0, atol=1e-4)
+                               rtol=0, atol=ROW_ATOL)
     be.fill_gaps = False                   # split, as llama.cpp would
     seen.clear()
     monkeypatch.setattr(L, "llama_decode", spy)
