@@ -14,13 +14,17 @@ of the trials' paired ratios with their range. Writes bench/results/batch.json a
 
     nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
         [--clients 1,2,4,8] [--rounds 2] [--trials 3] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec]
-        [--llama-cache-ram 0] [--also-no-prompt-cache] [--also-asyncio]
+        [--llama-cache-ram 0] [--also-no-prompt-cache] [--also-asyncio] [--also-baseline SRC_DIR]
 
 The prompts repeat (10 prompts; a level of 8 clients x 2 requests sends 6 of them twice, and earlier levels
 and trials sent them too): both servers keep finished prompts' KV in host memory (llama-server --cache-ram,
 edgerun --prompt-cache) and restore a repeated prompt instead of evaluating it. --llama-cache-ram 0 and
 --also-no-prompt-cache measure without them. edgerun serves on uvloop where it is installed (the serve
 extra); --also-asyncio adds an edgerun with uvloop hidden from it (the standard asyncio loop) at every level.
+
+--also-baseline SRC_DIR adds an edgerun run from another source tree (first on PYTHONPATH; the same Python and
+packages) at every level, so a change is measured side by side against the code before it:
+`git worktree add /tmp/base <commit>`, then `--also-baseline /tmp/base`.
 """
 
 from __future__ import annotations
@@ -62,9 +66,10 @@ def free_port() -> int:
 class Proc:
     """A server subprocess with its output collected; ready once GET /health answers 200."""
 
-    def __init__(self, name: str, cmd: list[str], url: str, env: dict | None = None) -> None:
+    def __init__(self, name: str, cmd: list[str], url: str, env: dict | None = None, cwd: str | None = None) -> None:
         self.name, self.url = name, url
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=cwd)
         self.lines: list[str] = []
         threading.Thread(target=lambda: [self.lines.append(line.rstrip()) for line in self.proc.stdout],
                          daemon=True).start()
@@ -91,20 +96,30 @@ class Proc:
 
 
 def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_cache: int | None = None,
-                   asyncio_loop: bool = False) -> Proc:
+                   asyncio_loop: bool = False, src: str | None = None) -> Proc:
     port = free_port()
-    env = None
+    first: list[str] = []
     if asyncio_loop:
         # uvicorn's loop="auto" takes uvloop when it imports; a module of that name that refuses to import,
         # first on the path, leaves it the standard asyncio loop
         shadow = tempfile.mkdtemp(prefix="edgerun-bench-")
         Path(shadow, "uvloop.py").write_text("raise ImportError('hidden by bench/batch.py --also-asyncio')\n")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([shadow, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        first.append(shadow)
+    if src:
+        # another checkout's edgerun package, found before the installed (editable) one; run in that tree, as
+        # `python -m` puts the working directory first on the path
+        if not (Path(src) / "edgerun" / "__init__.py").is_file():
+            raise SystemExit(f"--also-baseline {src}: no edgerun package there (expected {src}/edgerun/__init__.py)")
+        first.append(str(Path(src).resolve()))
+    env = None
+    if first:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*first, *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "edgerun", "serve", "--model", model, "--draft", draft or "none",
            *(["--prompt-cache", str(prompt_cache)] if prompt_cache is not None else []),
            "--parallel", str(parallel), "--threads", str(args.threads), "--ctx", str(args.ctx),
            "--port", str(port), "--queue", "64", "--timeout", "900", "--no-pull"]
-    return Proc(f"edgerun --parallel {parallel}", cmd, f"http://127.0.0.1:{port}", env=env)
+    return Proc(f"edgerun --parallel {parallel}" + (f" ({src})" if src else ""), cmd, f"http://127.0.0.1:{port}",
+                env=env, cwd=str(Path(src).resolve()) if src else None)
 
 
 def llama_server(model: str, draft: str | None, args) -> Proc:
@@ -232,6 +247,8 @@ def main() -> None:
                     help="also measure edgerun with --prompt-cache 0 at every level (the cache's own effect)")
     ap.add_argument("--also-asyncio", action="store_true",
                     help="also measure edgerun on the standard asyncio loop (uvloop hidden) at every level")
+    ap.add_argument("--also-baseline", metavar="SRC_DIR", default=None,
+                    help="also measure an edgerun run from this source tree (a worktree of the commit before a change)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
@@ -250,6 +267,8 @@ def main() -> None:
             start["edgerun-nocache"] = lambda: edgerun_server(model, draft, args, args.parallel, prompt_cache=0)
         if args.also_asyncio:
             start["edgerun-asyncio"] = lambda: edgerun_server(model, draft, args, args.parallel, asyncio_loop=True)
+        if args.also_baseline:
+            start["edgerun-baseline"] = lambda: edgerun_server(model, draft, args, args.parallel, src=args.also_baseline)
         servers: dict[str, Proc] = {}
         try:
             for who, make in start.items():
@@ -274,6 +293,8 @@ def main() -> None:
                         order.insert((i + t) % 2, "edgerun-nocache")
                     if "edgerun-asyncio" in servers:
                         order.insert((i + t + 1) % 2, "edgerun-asyncio")
+                    if "edgerun-baseline" in servers:
+                        order.insert((i + t + 1) % 2, "edgerun-baseline")
                     trial = {}
                     for who in order:
                         trial[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
@@ -296,6 +317,9 @@ def main() -> None:
                 if "edgerun-asyncio" in servers:
                     row["uvloop_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-asyncio"]["tok_s"]
                                             for tr in row["trials"]]
+                if "edgerun-baseline" in servers:
+                    row["baseline_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-baseline"]["tok_s"]
+                                              for tr in row["trials"]]
                 rows.append(row)
             report["configs"][name] = {"model": model, "draft": draft, "levels": rows}
         finally:
@@ -332,6 +356,8 @@ def main() -> None:
         versus_table(report, "edgerun-nocache", "cache_ratios", "edgerun --prompt-cache 0")
     if args.also_asyncio:
         versus_table(report, "edgerun-asyncio", "uvloop_ratios", "edgerun on the asyncio loop")
+    if args.also_baseline:
+        versus_table(report, "edgerun-baseline", "baseline_ratios", f"edgerun from {args.also_baseline}")
     print(f"\nwritten {out}")
 
 
