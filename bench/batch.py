@@ -227,9 +227,44 @@ def versus_table(report: dict, other: str, ratios: str, label: str) -> None:
                   f"{e['rows_per_batch'] or 0:.2f} / {o['rows_per_batch'] or 0:.2f} |")
 
 
+def print_tables(report: dict) -> None:
+    """The tables of one run (from its report: a fresh run or a saved JSON)."""
+    args = argparse.Namespace(**report["args"])
+    print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
+          "llama-server TTFT p50 / p95 s | edgerun rows per batch | edgerun wall in batched evals |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, cfg in report["configs"].items():
+        for row in cfg["levels"]:
+            e, ls = row["edgerun"], row["llama-server"]
+            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {ratio_cell(row['ratios'])} | "
+                  f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
+                  f"{e['rows_per_batch'] or 0:.2f} | {e.get('eval_share') or 0:.0%} |")
+        p1 = cfg["levels"][0].get("edgerun-p1")
+        if p1:
+            e = cfg["levels"][0]["edgerun"]
+            print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {ratio_cell(cfg['levels'][0]['p1_ratios'])}"
+                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
+    spec = {name: cfg for name, cfg in report["configs"].items() if cfg["draft"]}
+    if spec:
+        print("\n| config | clients | edgerun with the drafter / without it (--parallel N) | "
+              "--parallel 1 with / without it (speculation alone) |")
+        print("|---|---|---|---|")
+        for name, cfg in spec.items():
+            for row in cfg["levels"]:
+                if "spec_ratios" in row:
+                    alone = ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""
+                    print(f"| {name} | {row['clients']} | {ratio_cell(row['spec_ratios'])} | {alone} |")
+    if args.also_no_prompt_cache:
+        versus_table(report, "edgerun-nocache", "cache_ratios", "edgerun --prompt-cache 0")
+    if args.also_asyncio:
+        versus_table(report, "edgerun-asyncio", "uvloop_ratios", "edgerun on the asyncio loop")
+    if args.also_baseline:
+        versus_table(report, "edgerun-baseline", "baseline_ratios", f"edgerun from {args.also_baseline}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--llama-bin", required=True, help="directory of a llama.cpp build with llama-server "
+    ap.add_argument("--llama-bin", help="directory of a llama.cpp build with llama-server "
                                                       "(built from the llama-cpp-python source package)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=1024, help="context positions per slot (both servers)")
@@ -250,7 +285,14 @@ def main() -> None:
     ap.add_argument("--also-baseline", metavar="SRC_DIR", default=None,
                     help="also measure an edgerun run from this source tree (a worktree of the commit before a change)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
+    ap.add_argument("--report", metavar="JSON", default=None,
+                    help="print the tables of a saved run (its --out file) and exit; nothing is measured")
     args = ap.parse_args()
+    if args.report:
+        print_tables(json.loads(Path(args.report).read_text()))
+        return
+    if not args.llama_bin:
+        ap.error("--llama-bin is required (a llama.cpp build directory with llama-server)")
     levels = [int(x) for x in args.clients.split(",")]
     report: dict = {"args": vars(args), "configs": {}}
     for name in args.configs.split(","):
@@ -328,36 +370,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
-          "llama-server TTFT p50 / p95 s | edgerun rows per batch | edgerun wall in batched evals |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, cfg in report["configs"].items():
-        for row in cfg["levels"]:
-            e, ls = row["edgerun"], row["llama-server"]
-            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {ratio_cell(row['ratios'])} | "
-                  f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
-                  f"{e['rows_per_batch'] or 0:.2f} | {e.get('eval_share') or 0:.0%} |")
-        p1 = cfg["levels"][0].get("edgerun-p1")
-        if p1:
-            e = cfg["levels"][0]["edgerun"]
-            print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {ratio_cell(cfg['levels'][0]['p1_ratios'])}"
-                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
-    spec = {name: cfg for name, cfg in report["configs"].items() if cfg["draft"]}
-    if spec:
-        print("\n| config | clients | edgerun with the drafter / without it (--parallel N) | "
-              "--parallel 1 with / without it (speculation alone) |")
-        print("|---|---|---|---|")
-        for name, cfg in spec.items():
-            for row in cfg["levels"]:
-                if "spec_ratios" in row:
-                    alone = ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""
-                    print(f"| {name} | {row['clients']} | {ratio_cell(row['spec_ratios'])} | {alone} |")
-    if args.also_no_prompt_cache:
-        versus_table(report, "edgerun-nocache", "cache_ratios", "edgerun --prompt-cache 0")
-    if args.also_asyncio:
-        versus_table(report, "edgerun-asyncio", "uvloop_ratios", "edgerun on the asyncio loop")
-    if args.also_baseline:
-        versus_table(report, "edgerun-baseline", "baseline_ratios", f"edgerun from {args.also_baseline}")
+    print_tables(report)
     print(f"\nwritten {out}")
 
 
