@@ -229,7 +229,7 @@ def versus_table(report: dict, other: str, ratios: str, label: str) -> None:
 
 def print_tables(report: dict) -> None:
     """The tables of one run (from its report: a fresh run or a saved JSON)."""
-    args = argparse.Namespace(**report["args"])
+    opts = report["args"]          # .get: a run saved before an --also-* option existed has no such key
     print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
           "llama-server TTFT p50 / p95 s | edgerun rows per batch | edgerun wall in batched evals |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -241,9 +241,8 @@ def print_tables(report: dict) -> None:
                   f"{e['rows_per_batch'] or 0:.2f} | {e.get('eval_share') or 0:.0%} |")
         p1 = cfg["levels"][0].get("edgerun-p1")
         if p1:
-            e = cfg["levels"][0]["edgerun"]
             print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {ratio_cell(cfg['levels'][0]['p1_ratios'])}"
-                  f" (--parallel {args.parallel} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
+                  f" (--parallel {opts['parallel']} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
     spec = {name: cfg for name, cfg in report["configs"].items() if cfg["draft"]}
     if spec:
         print("\n| config | clients | edgerun with the drafter / without it (--parallel N) | "
@@ -254,12 +253,12 @@ def print_tables(report: dict) -> None:
                 if "spec_ratios" in row:
                     alone = ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""
                     print(f"| {name} | {row['clients']} | {ratio_cell(row['spec_ratios'])} | {alone} |")
-    if args.also_no_prompt_cache:
+    if opts.get("also_no_prompt_cache"):
         versus_table(report, "edgerun-nocache", "cache_ratios", "edgerun --prompt-cache 0")
-    if args.also_asyncio:
+    if opts.get("also_asyncio"):
         versus_table(report, "edgerun-asyncio", "uvloop_ratios", "edgerun on the asyncio loop")
-    if args.also_baseline:
-        versus_table(report, "edgerun-baseline", "baseline_ratios", f"edgerun from {args.also_baseline}")
+    if opts.get("also_baseline"):
+        versus_table(report, "edgerun-baseline", "baseline_ratios", f"edgerun from {opts['also_baseline']}")
 
 
 def main() -> None:
