@@ -8,9 +8,13 @@ first token. A third server, edgerun with --parallel 1 (one generation at a time
 scheduler), gives the single-client baseline. With a drafter (qwen-spec) two more edgerun servers without
 it (--parallel N and 1) give speculation's own speedup at 1 and 2 clients, batched and alone.
 
-Single runs of a level scatter by 10-20% on a shared 2-core machine, so each level is measured --trials
-times on every server, the pair's order alternating; the table gives each server's median and the median
-of the trials' paired ratios with their range. Writes bench/results/batch.json and prints the tables.
+Single runs of a level scatter by 10-20% on a shared 2-core machine, so every ratio is measured --trials
+times as a pair: its two servers back to back (adjacent readings share the machine's drift), the pair's
+order alternating and the pairs' order rotating trial by trial. The table gives each server's median and,
+per ratio, the geometric mean of the paired ratios with its 95% interval and how many pairs are >= 1.
+(Runs before this measured all servers in one sequence per trial; a server read 0.96 of another there and
+1.00 of it measured pairwise, docs/batching.md.)
+Writes bench/results/batch.json and prints the tables.
 
     nice python bench/batch.py --llama-bin <llama.cpp build>/bin [--threads 2] [--parallel 4]
         [--clients 1,2,4,8] [--rounds 2] [--trials 3] [--max-tokens 48] [--configs smollm2,qwen,qwen-spec]
@@ -209,11 +213,16 @@ def summarize(trials: list[dict]) -> dict:
 
 
 def ratio_cell(ratios: list[float]) -> str:
-    """The median of the trials' paired ratios, their range, and how many pairs are at or above 1."""
+    """The geometric mean of the trials' paired ratios with its 95% interval (t over the log ratios), and how
+    many pairs are at or above 1."""
     if len(ratios) == 1:
         return f"{ratios[0]:.2f}"
-    return (f"{float(np.median(ratios)):.2f} ({min(ratios):.2f}–{max(ratios):.2f}, "
-            f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1)")
+    from scipy import stats
+
+    logs = np.log(ratios)
+    half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    return (f"{np.exp(logs.mean()):.2f} [{np.exp(logs.mean() - half):.2f}, {np.exp(logs.mean() + half):.2f}] "
+            f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1")
 
 
 def versus_table(report: dict, other: str, ratios: str, label: str) -> None:
@@ -261,6 +270,22 @@ def print_tables(report: dict) -> None:
         versus_table(report, "edgerun-baseline", "baseline_ratios", f"edgerun from {opts['also_baseline']}")
 
 
+def level_pairs(clients: int, draft: str | None, servers: dict) -> list[tuple[str, str, str]]:
+    """The ratios measured at a level: (report key, numerator server, denominator server)."""
+    pairs = [("ratios", "edgerun", "llama-server")]
+    if clients == 1:
+        pairs.append(("p1_ratios", "edgerun", "edgerun-p1"))
+    if draft and clients <= 2:
+        pairs.append(("spec_ratios", "edgerun", "edgerun-nodraft"))
+    if draft and clients == 1:
+        pairs.append(("spec_alone_ratios", "edgerun-p1", "edgerun-p1-nodraft"))
+    for key, who in (("cache_ratios", "edgerun-nocache"), ("uvloop_ratios", "edgerun-asyncio"),
+                     ("baseline_ratios", "edgerun-baseline")):
+        if who in servers:
+            pairs.append((key, "edgerun", who))
+    return pairs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-bin", help="directory of a llama.cpp build with llama-server "
@@ -272,8 +297,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--trials", type=int, default=3,
-                    help="times each level is measured on each server, in alternating order; the table gives "
-                         "medians and the median of the paired ratios")
+                    help="times each ratio's two servers are measured back to back, in alternating order; the "
+                         "table gives medians and the geometric mean of the paired ratios with its 95%% interval")
     ap.add_argument("--configs", default="smollm2,qwen,qwen-spec")
     ap.add_argument("--llama-cache-ram", type=int, default=None,
                     help="llama-server --cache-ram MiB (0: no host prompt cache; default: llama-server's own)")
@@ -321,46 +346,29 @@ def main() -> None:
                 asyncio.run(level(s.url, model, args.parallel, 1, args.max_tokens))   # the tuner's first cycles)
             rows = []
             for i, c in enumerate(levels):
+                pairs = level_pairs(c, draft, servers)
                 row = {"clients": c, "trials": []}
+                seen: dict[str, list[dict]] = {}
                 for t in range(args.trials):
-                    # the pair's order alternates trial by trial (and level by level), so a drift of the
-                    # machine's speed during a level falls on both servers alike
-                    order = ["edgerun", "llama-server"] if (i + t) % 2 == 0 else ["llama-server", "edgerun"]
-                    if c == 1:
-                        order.append("edgerun-p1")
-                    if draft and c <= 2:
-                        order += ["edgerun-nodraft"] + (["edgerun-p1-nodraft"] if c == 1 else [])
-                    if "edgerun-nocache" in servers:
-                        order.insert((i + t) % 2, "edgerun-nocache")
-                    if "edgerun-asyncio" in servers:
-                        order.insert((i + t + 1) % 2, "edgerun-asyncio")
-                    if "edgerun-baseline" in servers:
-                        order.insert((i + t + 1) % 2, "edgerun-baseline")
+                    # each ratio's two servers are measured back to back (adjacent readings share the machine's
+                    # drift: their log speeds correlate 0.6-0.8, readings further apart much less), the pair's
+                    # order alternating trial by trial, and the pairs' order rotating, so no server is always
+                    # first, last or after the same one
                     trial = {}
-                    for who in order:
-                        trial[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
-                        print(f"{name} {c} clients trial {t + 1}/{args.trials} {who}: {trial[who]['tok_s']:.1f} "
-                              f"tok/s, TTFT p50 {trial[who]['ttft_p50_s']:.2f} s", flush=True)
+                    k = (i + t) % len(pairs)
+                    for j, (key, a, b) in enumerate(pairs[k:] + pairs[:k]):
+                        got = {}
+                        for who in ((a, b) if (i + t + j) % 2 == 0 else (b, a)):
+                            got[who] = asyncio.run(level(servers[who].url, model, c, args.rounds, args.max_tokens))
+                            seen.setdefault(who, []).append(got[who])
+                            print(f"{name} {c} clients trial {t + 1}/{args.trials} {key} {who}: "
+                                  f"{got[who]['tok_s']:.1f} tok/s, TTFT p50 {got[who]['ttft_p50_s']:.2f} s", flush=True)
+                        trial[key] = got
                     row["trials"].append(trial)
-                for who in row["trials"][0]:
-                    row[who] = summarize([tr[who] for tr in row["trials"]])
-                row["ratios"] = [tr["edgerun"]["tok_s"] / tr["llama-server"]["tok_s"] for tr in row["trials"]]
-                if c == 1:
-                    row["p1_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-p1"]["tok_s"] for tr in row["trials"]]
-                if draft and c <= 2:
-                    row["spec_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-nodraft"]["tok_s"] for tr in row["trials"]]
-                if draft and c == 1:
-                    row["spec_alone_ratios"] = [tr["edgerun-p1"]["tok_s"] / tr["edgerun-p1-nodraft"]["tok_s"]
-                                                for tr in row["trials"]]
-                if "edgerun-nocache" in servers:
-                    row["cache_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-nocache"]["tok_s"]
-                                           for tr in row["trials"]]
-                if "edgerun-asyncio" in servers:
-                    row["uvloop_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-asyncio"]["tok_s"]
-                                            for tr in row["trials"]]
-                if "edgerun-baseline" in servers:
-                    row["baseline_ratios"] = [tr["edgerun"]["tok_s"] / tr["edgerun-baseline"]["tok_s"]
-                                              for tr in row["trials"]]
+                for who, results in seen.items():
+                    row[who] = summarize(results)
+                for key, a, b in pairs:
+                    row[key] = [tr[key][a]["tok_s"] / tr[key][b]["tok_s"] for tr in row["trials"]]
                 rows.append(row)
             report["configs"][name] = {"model": model, "draft": draft, "levels": rows}
         finally:
