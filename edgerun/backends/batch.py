@@ -149,18 +149,13 @@ class BatchGroup:
         if not batch:
             return
         backend = batch[0].backend
-        rows = [(r.seq, r.tokens, r.k) for r in batch]
-        # the only member evaluates on its own thread, as --parallel 1 does (no hand-over per token)
-        alone = self._active == 1
         self._executing = True
         self._cond.release()
         try:
             try:
                 with self._engine:
-                    if alone:
-                        outs = self._timed(backend, rows)
-                    else:
-                        outs = self._engine_thread.submit(self._timed, backend, rows).result()
+                    outs = self._engine_thread.submit(self._timed, backend,
+                                                      [(r.seq, r.tokens, r.k) for r in batch]).result()
                 for r, out in zip(batch, outs):
                     r.out = out
             except BaseException as exc:       # every row of a failed batch gets the error
