@@ -98,7 +98,6 @@ class Runtime:
         self.last_stats: GenStats | None = None
         self.session_stats = GenStats()
         self.group = None            # the BatchGroup of a slot (slots()): its decode loop runs batched
-        self._groups: list = []      # the groups slots() made (closed with this Runtime)
 
     @property
     def n_ctx(self) -> int:
@@ -262,7 +261,6 @@ class Runtime:
             raise InvalidArgument(f"the drafter's context holds {getattr(draft_be, 'n_seq', 1)} sequences but the "
                                   f"target's {n}; load both with the same parallel")
         group = BatchGroup([b for b in (draft_be, self.target) if b is not None])
-        self._groups.append(group)
         out = []
         for i in range(n):
             drafter = None
@@ -286,8 +284,6 @@ class Runtime:
             self.drafter.reset()
 
     def close(self) -> None:
-        for group in self._groups:
-            group.close()
         if self.drafter is not None:
             self.drafter.close()
         self.target.close()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from edgerun.backends.llamacpp import LlamaCppBackend
+from edgerun.config import BackendArgs
 from edgerun.runtime import load
 from edgerun.spec.sampling import probs
 from test_verify import P_FAIL, P_PASS, chisquare_pooled
@@ -73,26 +74,36 @@ def test_greedy_batched_equals_alone(tiny_llama, draft, gamma):
         assert group.n_rows > group.n_steps          # some batch held rows of more than one position
 
 
-def test_every_batched_evaluation_runs_on_the_engine_thread(tiny_llama):
-    """llama.cpp's CPU backend runs a call on an OpenMP team of the calling thread (idle teams spin), so
-    the group makes every batched evaluation, of the target and of a model drafter, on its one engine
-    thread, never on the slot threads; closing the Runtime stops that thread."""
+def test_every_evaluation_of_a_multi_sequence_context_runs_on_the_engine_thread(tiny_llama):
+    """llama.cpp's CPU backend runs a call on an OpenMP team of the calling thread, a team lives as long as
+    its thread, and a second live team slows the working one (libgomp's throttled spinning; llamacpp.on_engine).
+    So every llama_decode of a multi-sequence context, of the target and of a model drafter, whoever calls
+    it (the slots' decode loops, an eval from this thread as the start-up cost probe makes), runs on the
+    process's one engine thread; a one-sequence context evaluates on the calling thread."""
     rt = _load(tiny_llama, 4, draft=str(tiny_llama), gamma=2)
     callers: dict[str, set] = {"target": set(), "draft": set()}
     for name, be in (("target", rt.target), ("draft", rt.drafter.backend)):
-        def spy(rows, _orig=be.eval_rows, _name=name):
+        def spy(*a, _orig=be._decode_flat, _name=name):
             callers[_name].add(threading.current_thread().name)
-            return _orig(rows)
-        be.eval_rows = spy
+            return _orig(*a)
+        be._decode_flat = spy
     with rt:
+        rt.target.eval(rt.tokenize("hello"), 1)             # from this thread, as the cost probe does
+        rt.drafter.backend.eval(rt.tokenize("hello"), 1)
         slots = rt.slots()
         _concurrently([lambda s=s, p=p: s.generate(p, max_tokens=16, temperature=0).text
                        for s, p in zip(slots, PROMPTS)])
-        engine = slots[0].group._engine_thread
         assert len(callers["target"]) == 1 and callers["target"] == callers["draft"]
         assert next(iter(callers["target"])).startswith("edgerun-engine")
-    with pytest.raises(RuntimeError):            # shut down with the Runtime
-        engine.submit(lambda: None)
+    one = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1))
+    seen: set = set()
+    orig = one._decode_flat
+    one._decode_flat = lambda *a: (seen.add(threading.current_thread().name), orig(*a))[1]
+    try:
+        one.eval([1, 2, 3], 1)
+    finally:
+        one.close()
+    assert seen == {threading.current_thread().name}
 
 
 def test_sampled_with_seeds_reproduce_batched(tiny_llama):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -57,8 +56,6 @@ class BatchGroup:
         self._active = 0               # members inside a generation
         self._executing = False
         self._engine = threading.Lock()    # held around every llama.cpp call on the shared contexts
-        # the one thread that runs every batched evaluation (llama.cpp's OpenMP team stays the same)
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgerun-engine")
         self.n_steps = 0               # batches evaluated, and rows in them (sequences x positions)
         self.n_rows = 0
         self.eval_s = 0.0              # wall time inside those evaluations
@@ -123,10 +120,6 @@ class BatchGroup:
             raise req.error
         return req.out
 
-    def close(self) -> None:
-        """Stop the engine thread (after the evaluation in progress, if any)."""
-        self._engine_thread.shutdown(wait=True)
-
     def _timed(self, backend, rows):
         t0 = time.perf_counter()
         try:
@@ -153,9 +146,8 @@ class BatchGroup:
         self._cond.release()
         try:
             try:
-                with self._engine:
-                    outs = self._engine_thread.submit(self._timed, backend,
-                                                      [(r.seq, r.tokens, r.k) for r in batch]).result()
+                with self._engine:     # eval_rows runs on the engine thread (llamacpp.on_engine)
+                    outs = self._timed(backend, [(r.seq, r.tokens, r.k) for r in batch])
                 for r, out in zip(batch, outs):
                     r.out = out
             except BaseException as exc:       # every row of a failed batch gets the error

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -40,6 +42,44 @@ class SeqState:
     @property
     def nbytes(self) -> int:
         return len(self.data) + 8 * len(self.tokens)
+
+
+_engine: ThreadPoolExecutor | None = None
+_engine_ident: int | None = None
+_engine_lock = threading.Lock()
+
+
+def _mark_engine() -> None:
+    global _engine_ident
+    _engine_ident = threading.get_ident()
+
+
+def on_engine(fn, *args):
+    """fn(*args) on the process's one engine thread, which evaluates every multi-sequence context.
+
+    llama.cpp's CPU backend (built with OpenMP) runs a call on a thread team of the calling thread, and the
+    team lives as long as that thread. With more libgomp threads than cores, libgomp spins only ~100 times
+    at a barrier before sleeping (GOMP_SPINCOUNT in its manual), and a graph has a barrier per operation:
+    a second live team, idle or not, slowed the working one on 2 cores (SmolLM2 decode 116 -> 84 tok/s
+    while another thread's team existed, 144 once that thread had ended; a --parallel 4 server whose loader
+    thread had run the cost probe, 0.79x of one that read the probe's cache). So whoever calls (a slot's
+    decode loop, the start-up cost probe, an API user's thread), a context of several sequences is evaluated
+    here. An interrupted caller waits for the evaluation in progress before the exception goes on (the
+    context is not freed under llama.cpp)."""
+    global _engine
+    if threading.get_ident() == _engine_ident:
+        return fn(*args)
+    with _engine_lock:
+        if _engine is None:
+            _engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgerun-engine",
+                                         initializer=_mark_engine)
+    fut = _engine.submit(fn, *args)
+    try:
+        return fut.result()
+    except BaseException:
+        if not fut.done():
+            wait([fut])
+        raise
 
 
 def default_threads() -> int:
@@ -122,7 +162,13 @@ class LlamaCppBackend:
     def eval_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
         """Append rows[i] = (seq, tokens, k) to their sequences' caches in one llama_decode per n_batch
         positions; return, per row, float32 logits [k, n_vocab] of its last k positions. The tokens are
-        checked already (check_eval); a sequence appears at most once."""
+        checked already (check_eval); a sequence appears at most once. A context of several sequences
+        evaluates on the engine thread (on_engine), one of one sequence on the calling thread."""
+        if self.n_seq > 1:
+            return on_engine(self._eval_rows, rows)
+        return self._eval_rows(rows)
+
+    def _eval_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
         L = llama_lib.lib()
         outs = [np.empty((k, self.n_vocab), dtype=np.float32) for _, _, k in rows]
         filled = [0] * len(rows)
