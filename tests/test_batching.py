@@ -10,6 +10,7 @@ the sampled joint law of two batched sequences' first tokens is the product of t
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -104,6 +105,53 @@ def test_every_evaluation_of_a_multi_sequence_context_runs_on_the_engine_thread(
     finally:
         one.close()
     assert seen == {threading.current_thread().name}
+
+
+def test_a_job_being_admitted_joins_the_next_step_and_a_slow_admission_holds_none(tiny_llama):
+    """A job being placed on a free slot (tokenizing, restoring a prefix) holds the running sequences'
+    next batch until its prompt rows join it, up to ADMIT_GRACE_S from the admission's start: a burst's
+    prompts share a pass instead of straggling into passes of their own. An admission slower than that
+    holds nothing after it."""
+    from edgerun.backends.batch import ADMIT_GRACE_S
+
+    with _load(tiny_llama, 4) as rt:
+        batches: list[list[tuple[int, int]]] = []
+        orig = rt.target.eval_rows
+        rt.target.eval_rows = lambda rows: (batches.append([(q, len(t)) for q, t, _ in rows]), orig(rows))[1]
+        slots = rt.slots()
+        group = slots[0].group
+        going = threading.Event()
+
+        def long_run():                          # sequence 0, its consumer taking ~1 ms per token
+            for i, _ in enumerate(slots[0].stream_tokens(rt.tokenize(PROMPTS[0]), max_tokens=200, temperature=0)):
+                if i == 5:
+                    going.set()
+                time.sleep(0.001)
+        a = threading.Thread(target=long_run)
+        a.start()
+        assert going.wait(30)
+        out = {}
+
+        def admit(slot, hold_s, key):
+            group.begin_admission()
+            try:
+                n0 = len(batches)
+                time.sleep(hold_s)               # the admission's own work
+                out[key] = len(batches) - n0
+                slots[slot].generate(PROMPTS[slot], max_tokens=2, temperature=0)
+            finally:
+                group.end_admission()
+        b = threading.Thread(target=admit, args=(1, 0.02, "quick"))
+        b.start()
+        b.join(30)
+        first_of_1 = next(bt for bt in batches if any(q == 1 for q, _ in bt))
+        c = threading.Thread(target=admit, args=(2, 6 * ADMIT_GRACE_S, "slow"))
+        c.start()
+        c.join(30)
+        a.join(60)
+    assert out["quick"] <= 1                     # sequence 0 waited for the admission (at most the step in flight)
+    assert (0, 1) in first_of_1 and any(q == 1 and n > 1 for q, n in first_of_1)   # the prompt joined its step
+    assert out["slow"] >= 5                      # past the grace, sequence 0 went on without it
 
 
 def test_sampled_with_seeds_reproduce_batched(tiny_llama):

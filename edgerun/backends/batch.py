@@ -28,6 +28,7 @@ from .base import check_eval
 
 
 YIELD_GRACE_S = 0.005     # how long a batch waits for a member whose consumer holds its last Step
+ADMIT_GRACE_S = 0.05      # how long a batch waits for jobs being placed on free slots (their prompts join it)
 
 
 class _Request:
@@ -54,6 +55,7 @@ class BatchGroup:
         self._running = 0              # members running Python (not waiting for an eval)
         self._yielded = 0              # members whose consumer holds a Step (back in a moment, usually)
         self._active = 0               # members inside a generation
+        self._admitting: dict[int, float] = {}   # thread ident -> when it began placing a job (begin_admission)
         self._executing = False
         self._engine = threading.Lock()    # held around every llama.cpp call on the shared contexts
         self.n_steps = 0               # batches evaluated, and rows in them (sequences x positions)
@@ -67,11 +69,25 @@ class BatchGroup:
     def view(self, backend, seq: int) -> "SeqBackend":
         return SeqBackend(self, backend, seq)
 
+    def begin_admission(self) -> None:
+        """This thread is placing a job on a free slot (tokenizing, restoring a cached prefix): the next
+        batch waits for its first rows until ADMIT_GRACE_S after this call, so the prompts of a burst of
+        requests join the running sequences' step instead of each costing a pass of its own; a slower
+        admission (a long prompt, a grammar to compile) holds no batch after that. Ends when this thread's
+        decode loop joins (drive) or at end_admission, whichever comes first."""
+        with self._cond:
+            self._admitting[threading.get_ident()] = time.monotonic()
+
+    def end_admission(self) -> None:
+        with self._cond:
+            if self._admitting.pop(threading.get_ident(), None) is not None:
+                self._cond.notify_all()
+
     def drive(self, steps: Iterator) -> Iterator:
         """Run a decode loop (a generator of Steps) as a member: while it runs Python the group's next
         batch waits for its rows; while its consumer holds a Step (the loop is suspended) the batch
         waits YIELD_GRACE_S for it, then goes on without it; once it has ended, without it."""
-        self._change(active=1, running=1)
+        self._change(active=1, running=1, joined=True)
         try:
             while True:
                 try:
@@ -89,8 +105,10 @@ class BatchGroup:
             finally:
                 self._change(active=-1, running=-1)
 
-    def _change(self, *, active: int = 0, running: int = 0, yielded: int = 0) -> None:
+    def _change(self, *, active: int = 0, running: int = 0, yielded: int = 0, joined: bool = False) -> None:
         with self._cond:
+            if joined:                           # an admission ends as its loop becomes a member
+                self._admitting.pop(threading.get_ident(), None)
             self._active += active
             self._running += running
             self._yielded += yielded
@@ -113,6 +131,14 @@ class BatchGroup:
                         graced = True
                         self._cond.wait(YIELD_GRACE_S)
                         continue
+                    if self._admitting:
+                        # a job is being placed on a free slot: its prompt joins this batch if it comes
+                        # within ADMIT_GRACE_S of the admission's start (it then evaluates the batch
+                        # itself), else a later one
+                        wait = max(self._admitting.values()) + ADMIT_GRACE_S - time.monotonic()
+                        if wait > 0:
+                            self._cond.wait(wait)
+                            continue
                     self._execute()
                 else:
                     self._cond.wait()

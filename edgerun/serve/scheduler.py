@@ -313,35 +313,44 @@ class Scheduler:
                     self._cond.wait()
                 if slot not in self._handoff and self._stopping:
                     break
-            with self._dispatch:                # one slot at a time takes a job and places it
-                with self._cond:
-                    handed = self._handoff.pop(slot, None)
-                    if handed is None:
-                        if not self._waiting:
-                            continue            # another slot took it
-                        job = self._waiting.popleft()
-                        self._running.append(job)
-                    self._idle.discard(slot)
-                if handed is not None:
-                    job, prepared = handed
-                else:
-                    target, prepared = self._affinity(slot, runtime, job)
-                    if target != slot:          # handed to the slot that holds the prompt's prefix
-                        with self._cond:
-                            self._idle.add(slot)
-                        continue
-            t0 = time.monotonic()
+            group = getattr(runtime, "group", None)
+            admitting = False
             try:
-                result = self._run(runtime, job, slot, prepared)
-                if result.started:
-                    self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
-                if self._on_result is not None:
-                    self._on_result(result)
-                job._emit("end", result)
+                with self._dispatch:                # one slot at a time takes a job and places it
+                    with self._cond:
+                        handed = self._handoff.pop(slot, None)
+                        if handed is None:
+                            if not self._waiting:
+                                continue            # another slot took it
+                            job = self._waiting.popleft()
+                            self._running.append(job)
+                        self._idle.discard(slot)
+                    if group is not None:           # the running sequences' next step waits for its prompt
+                        group.begin_admission()
+                        admitting = True
+                    if handed is not None:
+                        job, prepared = handed
+                    else:
+                        target, prepared = self._affinity(slot, runtime, job)
+                        if target != slot:          # handed to the slot that holds the prompt's prefix
+                            with self._cond:
+                                self._idle.add(slot)
+                            continue
+                t0 = time.monotonic()
+                try:
+                    result = self._run(runtime, job, slot, prepared)
+                    if result.started:
+                        self._mean_job_s = 0.8 * self._mean_job_s + 0.2 * (time.monotonic() - t0)
+                    if self._on_result is not None:
+                        self._on_result(result)
+                    job._emit("end", result)
+                finally:
+                    with self._cond:               # the slot is free once its job's end is recorded
+                        self._running.remove(job)
+                        self._idle.add(slot)
             finally:
-                with self._cond:               # the slot is free once its job's end is recorded
-                    self._running.remove(job)
-                    self._idle.add(slot)
+                if admitting:
+                    group.end_admission()
 
     @staticmethod
     def _prepare(runtime: Any, job: Job) -> tuple[list[int], Any]:
