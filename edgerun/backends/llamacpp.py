@@ -60,9 +60,9 @@ def on_engine(fn, *args):
     llama.cpp's CPU backend (built with OpenMP) runs a call on a thread team of the calling thread, and the
     team lives as long as that thread. With more libgomp threads than cores, libgomp spins only ~100 times
     at a barrier before sleeping (GOMP_SPINCOUNT in its manual), and a graph has a barrier per operation:
-    a second live team, idle or not, slowed the working one on 2 cores (SmolLM2 decode 116 -> 84 tok/s
-    while another thread's team existed, 144 once that thread had ended; a --parallel 4 server whose loader
-    thread had run the cost probe, 0.79x of one that read the probe's cache). So whoever calls (a slot's
+    a second live team, idle or not, slowed the working one on 2 cores (bench/omp_teams.py; a --parallel 4
+    server whose loader thread had run the cost probe, 0.83x of one that read the probe's cache;
+    docs/batching.md has the figures). So whoever calls (a slot's
     decode loop, the start-up cost probe, an API user's thread), a context of several sequences is evaluated
     here. An interrupted caller waits for the evaluation in progress before the exception goes on (the
     context is not freed under llama.cpp)."""

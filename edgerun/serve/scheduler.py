@@ -314,7 +314,6 @@ class Scheduler:
                 if slot not in self._handoff and self._stopping:
                     break
             group = getattr(runtime, "group", None)
-            admitting = False
             try:
                 with self._dispatch:                # one slot at a time takes a job and places it
                     with self._cond:
@@ -327,7 +326,6 @@ class Scheduler:
                         self._idle.discard(slot)
                     if group is not None:           # the running sequences' next step waits for its prompt
                         group.begin_admission()
-                        admitting = True
                     if handed is not None:
                         job, prepared = handed
                     else:
@@ -349,7 +347,7 @@ class Scheduler:
                         self._running.remove(job)
                         self._idle.add(slot)
             finally:
-                if admitting:
+                if group is not None:               # a no-op once the job's decode loop has joined
                     group.end_admission()
 
     @staticmethod
