@@ -123,6 +123,18 @@ def test_model_drafter_hint_is_the_targets_margin():
     r[:2] = -np.inf
     r[5] = 2.0
     assert margin_class(r) == 1                                     # masked entries (a grammar) are ignored
+    r = row.copy()
+    r[[0, -1]] = 9.0
+    assert margin_class(r) == 0                                     # a tie for the top (first and last ids)
+    assert margin_class(np.full(8, -np.inf, dtype=np.float32)) == len(MARGINS)    # everything masked
+    rng = np.random.default_rng(0)
+    for _ in range(300):          # against the definition: the gap between the two largest entries
+        r = (rng.standard_normal(int(rng.integers(1, 40))) * rng.uniform(0.2, 6)).astype(np.float32)
+        if rng.random() < 0.3:
+            r[rng.integers(0, len(r), size=len(r) // 2)] = -np.inf
+        top = np.sort(r)[::-1]
+        gap = top[0] - top[1] if len(r) > 1 and np.isfinite(top[0]) else np.inf
+        assert margin_class(r) == int(np.searchsorted(MARGINS, gap, side="right")), r
 
 
 def test_lookup_bad_arguments():
