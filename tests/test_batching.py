@@ -17,6 +17,7 @@ import pytest
 
 from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs
+from edgerun.errors import InvalidArgument
 from edgerun.runtime import load
 from edgerun.spec.sampling import probs
 from test_verify import P_FAIL, P_PASS, chisquare_pooled
@@ -298,9 +299,38 @@ def test_batched_gamma_prices_the_second_pass_of_a_speculating_sequence():
         for m in expect:
             active[0] = m
             got[m] = policy.choose(0)
-            assert tuner._last == 4, "the tuner itself chose 4 (not an exploration cycle)"
+            assert tuner.n_explored == 0, "the tuner itself chose 4 (not an exploration cycle)"
         assert got == expect
 
+
+
+def test_cycles_lowered_by_the_batch_teach_the_tuner_nothing_about_the_drafter():
+    """A long stretch of busy batches (gamma lowered to 0 every cycle) leaves the tuner's model of the drafter
+    as it was: once the sequence is alone again it drafts at once, and the drafter's supply is still ~1. The
+    earlier code let the tuner read every lowered cycle as "asked for 4, supplied none": supply fell towards
+    0, speculation switched off for the pair and was persisted so (tuner_store) for single clients too."""
+    from edgerun.device.cost import CostCurve
+    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+
+    flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)
+    tuner = GammaTuner(flat, gamma_max=4)
+    for _ in range(50):                                     # a drafter that is always right
+        tuner.observe(4, 4, 0.004, flat.verify(5))
+    supply0, acc0 = tuner.supply(0).copy(), tuner.acceptance(0).copy()
+    active = [3]                                            # flat, m=3: drafting does not pay (test above)
+    policy = BatchedGamma(tuner, lambda: active[0])
+    for _ in range(300):
+        g = policy.choose(0)
+        assert g == 0
+        policy.observe(g, 0, 0.0, flat.verify(3))
+    assert policy.n_lowered > 250
+    # (its rare plain explorations are observed as such: they decay the counts a little)
+    np.testing.assert_allclose(tuner.supply(0), supply0, rtol=1e-3)
+    np.testing.assert_allclose(tuner.acceptance(0), acc0, rtol=1e-3)
+    active[0] = 1
+    assert policy.choose(0) == 4                            # alone again: speculation at once
+    with pytest.raises(InvalidArgument):
+        tuner.lower(5)
 
 @pytest.fixture
 def four_seqs(tiny_llama):

@@ -170,6 +170,7 @@ class GammaTuner:
         self._last = g0
         self._explore_turn = 0
         self._exploring = False
+        self._lowered = False                   # the cycle being run was lowered to 0 by the caller (lower())
         self.n_explored = 0
         log.debug("gamma tuner: %s cost curve, %d hint classes, start at gamma %d", cost.source, C, g0)
 
@@ -382,7 +383,24 @@ class GammaTuner:
             g = cands[self._explore_turn % len(cands)]
             self._explore_turn += 1
         self._last = g
+        self._lowered = False
         return g
+
+    def lower(self, g: int) -> None:
+        """The cycle just chosen runs with g < choose()'s gamma for a reason of the caller's (BatchedGamma:
+        the shared batch makes the drafts dear), not the drafter's: the drafter is asked for g only, so its
+        supply is learned from g; a cycle lowered to 0 is no observation of the class at all (no supply, no
+        acceptance, no decay of either; its verify time still counts). Without this, every lowered cycle read
+        as a drafter that declined to draft: under batching the supply estimate fell to ~0, speculation
+        switched off for the pair and stayed off (persisted) even for a single client."""
+        if not 0 <= g <= self._last:
+            raise InvalidArgument(f"lower() takes a gamma in 0..{self._last} (the chosen one), got {g!r}")
+        self._last = g
+        if g == 0:
+            self._lowered = True
+            if self._exploring and self._hint is not None:
+                self._since_explore[self._hint] = 10 ** 9    # the exploration is still owed: at the next cycle that may draft
+            self._exploring = False
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
         """gamma: tokens actually drafted (<= what choose() asked); n_accepted of them accepted."""
@@ -392,7 +410,7 @@ class GammaTuner:
         asked = min(max(self._last, gamma), self.gamma_max)
         m = min(gamma, self.gamma_max)
         k = self.settings.time_ema
-        if c is not None:
+        if c is not None and not self._lowered:
             # per cycle of this class, drafted or not, so old text weighs less and less; slower while
             # speculation is off, so the sparse exploratory cycles add up to an estimate instead of
             # fading into the prior
@@ -416,6 +434,7 @@ class GammaTuner:
                 if na < m:
                     self._seen[c, na] += 1
         self._exploring = False
+        self._lowered = False
         # times
         n = m + 1
         # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
@@ -542,7 +561,9 @@ class BatchedGamma:
         tokens = (m - 1) + 1.0 + np.concatenate([[0.0], np.cumsum(A)])         # tokens [g + 1], index gamma
         cost = np.array([self.batch_cost(m, k) + k * t.t_draft() for k in range(g + 1)])   # cost [g + 1]
         best = int(np.argmax(tokens / cost))
-        self.n_lowered += best < g
+        if best < g:
+            self.n_lowered += 1
+            self.tuner.lower(best)
         return best
 
     def batch_cost(self, m: int, k: int) -> float:

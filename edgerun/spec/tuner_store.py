@@ -19,7 +19,9 @@ from .gamma import GammaTuner
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+# 2: states learned before GammaTuner.lower() may hold a drafter supply driven to ~0 by busy batches
+# (speculation off for good); they are not restored
+FORMAT = 2
 
 
 def regime(sampling: SamplingArgs) -> str:
