@@ -7,7 +7,7 @@ Part 1 runs `--slots` concurrent greedy chat requests (bench/serve.py's prompts,
 through `Runtime.slots()` and records, per batched evaluation, its shape (sequences, rows) and the time in
 `eval_rows` and in `llama_decode` itself; it prints the wall time, the share inside llama_decode and the
 median time per shape. Part 2 evaluates the most frequent shape (one row per sequence) on the same
-backend from the main thread and from the group's engine thread, with sequences at 40-130 positions, with
+backend twice, with sequences at 40-130 positions, with
 nothing else running, and a few uneven shapes (one sequence verifying 4 rows beside single rows: two
 passes in llama.cpp), and sequence ids with a gap (filled by the backend, against split at the gap).
 Writes bench/results/batch_steps.json.
@@ -103,7 +103,8 @@ def main() -> None:
         b.eval_rows = originals[id(b)]
     rng = np.random.default_rng(0)
     alone = {}
-    for where in ("main thread", "engine thread", "main thread again"):
+    # (eval_rows of a multi-sequence context always runs on the engine thread: llamacpp.on_engine)
+    for where in ("once", "again"):
         for s in range(a.slots):
             be.truncate_seq(s, 0)
             be.eval_rows([(s, [int(x) for x in rng.integers(100, 20000, 40)], 1)])
@@ -111,10 +112,7 @@ def main() -> None:
         for _ in range(90):
             rows = [(s, [int(rng.integers(100, 20000))], 1) for s in range(a.slots)]
             t = time.perf_counter()
-            if where == "engine thread":
-                group._engine_thread.submit(be.eval_rows, rows).result()
-            else:
-                be.eval_rows(rows)
+            be.eval_rows(rows)
             ts.append(time.perf_counter() - t)
         alone[where] = 1e3 * float(np.median(ts))
         print(f"alone, {where}: {a.slots} seqs x 1 row, median {alone[where]:.2f} ms")

@@ -190,7 +190,7 @@ class Runtime:
             run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
             steps = generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
                              drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
-            yield from (steps if self.group is None else self.group.drive(steps))
+            yield from (steps if self.group is None else self.group.drive(steps, self.batch_views()))
         finally:
             self.last_stats = stats
             self.session_stats.merge(stats)
@@ -276,6 +276,16 @@ class Runtime:
             slot.group = group
             out.append(slot)
         return out
+
+    def batch_views(self) -> list:
+        """A slot's sequence views (target first, then a model drafter's), as its decode loop joins the
+        group with them: BatchGroup.move() takes two slots' lists."""
+        from .spec.drafters import ModelDrafter
+
+        views = [self.target]
+        if isinstance(self.drafter, ModelDrafter):
+            views.append(self.drafter.backend)
+        return views
 
     def reset(self) -> None:
         """Forget the cached conversation (KV caches of target and drafter)."""

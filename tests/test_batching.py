@@ -197,6 +197,63 @@ def test_a_sequence_stopping_mid_batch_leaves_the_others_untouched(tiny_llama):
             assert slots[i].target.tokens[:len(toks)] == toks
 
 
+
+@pytest.mark.parametrize("draft,gamma", [(None, 0), ("self", 2)])
+def test_a_running_sequence_moved_to_a_free_id_goes_on_as_alone(tiny_llama, draft, gamma):
+    """BatchGroup.move mid-generation: slot 2's sequences (target, and a model drafter's) move to idle slot
+    1's ids between two steps while slot 0 runs beside it; both texts are what they are alone, the views
+    swapped ids, the moved caches hold their tokens and the idle slot's are empty."""
+    rt = _load(tiny_llama, 4, draft=str(tiny_llama) if draft else None, gamma=gamma)
+    with rt:
+        kw = dict(max_tokens=32, temperature=0)
+        alone = [rt.generate(p, **kw).text for p in PROMPTS[:3]]
+        slots = rt.slots()
+        halfway = threading.Event()
+        moved: list = []
+
+        def mover():
+            stream = slots[2].stream_tokens(slots[2].tokenize(PROMPTS[2]), **kw)
+            text = []
+            for i, step in enumerate(stream):
+                text.append(step.text)
+                if i == 5:
+                    halfway.set()
+            return "".join(text)
+
+        def move():
+            assert halfway.wait(60)
+            moved.append(slots[0].group.move(slots[2].batch_views(), slots[1].batch_views(), timeout_s=30))
+            return None
+
+        out = _concurrently([lambda: slots[0].generate(PROMPTS[0], **kw).text, mover, move])
+        assert moved == [True] and slots[0].group.n_moves == 1
+        assert out[0] == alone[0] and out[1] == alone[2]
+        views2, views1 = slots[2].batch_views(), slots[1].batch_views()
+        assert [v.seq for v in views2] == [1] * len(views2) and [v.seq for v in views1] == [2] * len(views1)
+        toks = rt.tokenize(PROMPTS[2])
+        for v in views2:
+            assert v.tokens[:len(toks)] == toks and v.tokens is v.shared.seq_tokens(1)
+        for v in views1:
+            assert v.tokens == [] and v.tokens is v.shared.seq_tokens(2)
+        # a finished generation is no member: moving it does nothing; the slot serves on at its new id
+        assert not slots[0].group.move(slots[2].batch_views(), slots[1].batch_views(), timeout_s=0.2)
+        assert slots[2].generate(PROMPTS[2], **kw).text == alone[2]
+
+
+def test_move_seq_moves_the_cache_and_the_token_lists(four_seqs):
+    """The backend half of a move: sequence 2's cache now answers as sequence 1 (the same logits as before
+    the move, from the reference context), sequence 2 is empty, and the token lists went with the caches."""
+    be, ref = four_seqs
+    lists = [be.seq_tokens(s) for s in range(4)]
+    be.move_seq(2, 1)
+    assert be.seq_tokens(1) is lists[2] and be.seq_tokens(2) is lists[1]
+    assert be.seq_tokens(1) == [3, 4, 5] and be.seq_tokens(2) == []
+    moved = be.eval_rows([(1, [9], 1)])[0]
+    expect = ref.eval_rows([(2, [9], 1)])[0]
+    np.testing.assert_allclose(moved, expect, atol=ROW_ATOL)
+    fresh = be.eval_rows([(2, [3, 4, 5, 9], 1)])[0]       # the emptied id takes a new sequence from scratch
+    np.testing.assert_allclose(fresh, expect, atol=ROW_ATOL)
+
 def _first_token_pairs(rt, prompts, sampling_kw, n_trials):
     """(first token of sequence 0, first token of sequence 1) of n_trials batched pairs of generations."""
     slots = rt.slots()[:2]

@@ -605,6 +605,37 @@ def test_concurrent_requests_are_batched_and_each_equals_its_answer_alone(tiny_l
         assert 0 < _metric(srv.url, "edgerun_batch_eval_seconds_total") == pytest.approx(group.eval_s)
 
 
+
+def test_a_gap_a_finished_job_leaves_is_closed_by_moving_a_running_sequence(tiny_llama):
+    """Jobs on slots 0, 1 and 2; the one on slot 1 ends first. llama.cpp would evaluate the busy ids 0 and
+    2 in two passes, so the scheduler moves slot 2's running sequence to id 1 at the next step: both long
+    answers are still the ones given alone, the move is counted, and the next job is placed on the id after
+    them."""
+    model = str(tiny_llama)
+    prompts = {"long one": 48, "short": 2, "long two": 48}
+    with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
+        alone = {p: rt.generate(p, max_tokens=n, temperature=0).text for p, n in prompts.items()}
+    holder, out = {}, {}
+    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, holder, parallel=4)) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        rt, sch = holder["rt"], srv.state.scheduler
+        rt.gate.clear()
+        threads = []
+        for p, n in prompts.items():                    # in order: slots 0, 1, 2
+            threads.append(_post_in_thread(srv.url, COMPL, {"model": model, "prompt": p, "max_tokens": n,
+                                                            "temperature": 0}, out, p))
+            assert rt.entered.acquire(timeout=30)
+        assert [sch._seq_id(i) for i in range(4)] == [0, 1, 2, 3]
+        rt.gate.set()
+        for t in threads:
+            t.join(60)
+        assert {p: out[p].json()["choices"][0]["text"] for p in prompts} == alone
+        assert _metric(srv.url, "edgerun_batch_moves_total") == 1
+        assert [sch._seq_id(i) for i in range(4)] == [0, 2, 1, 3]
+        r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "short", "max_tokens": 2, "temperature": 0},
+                       timeout=60)
+        assert r.json()["choices"][0]["text"] == alone["short"]
+
 def test_a_disconnect_mid_batch_frees_its_slot_and_leaves_the_others_untouched(tiny_llama):
     model = str(tiny_llama)
     body = {"model": model, "max_tokens": 30, "temperature": 0}

@@ -32,13 +32,22 @@ ADMIT_GRACE_S = 0.05      # how long a batch waits for jobs being placed on free
 
 
 class _Request:
-    __slots__ = ("backend", "seq", "tokens", "k", "out", "error", "done")
+    __slots__ = ("view", "tokens", "k", "out", "error", "done")
 
-    def __init__(self, backend, seq: int, tokens: list[int], k: int) -> None:
-        self.backend, self.seq, self.tokens, self.k = backend, seq, tokens, k
+    def __init__(self, view: "SeqBackend", tokens: list[int], k: int) -> None:
+        self.view, self.tokens, self.k = view, tokens, k    # the sequence id is read when it is evaluated
         self.out: np.ndarray | None = None
         self.error: BaseException | None = None
         self.done = False
+
+
+class _Move:
+    __slots__ = ("src", "dst", "done", "ok")
+
+    def __init__(self, src: Sequence["SeqBackend"], dst: Sequence["SeqBackend"]) -> None:
+        self.src, self.dst = list(src), list(dst)
+        self.done = False
+        self.ok = False
 
 
 class BatchGroup:
@@ -57,10 +66,13 @@ class BatchGroup:
         self._active = 0               # members inside a generation
         self._admitting: dict[int, float] = {}   # thread ident -> when it began placing a job (begin_admission)
         self._executing = False
+        self._members: dict[int, tuple] = {}   # thread ident -> the views of a member's slot (drive(views=...))
+        self._moves: list[_Move] = []          # sequences to move at the next step (move())
         self._engine = threading.Lock()    # held around every llama.cpp call on the shared contexts
         self.n_steps = 0               # batches evaluated, and rows in them (sequences x positions)
         self.n_rows = 0
         self.eval_s = 0.0              # wall time inside those evaluations
+        self.n_moves = 0               # running sequences moved to other ids (move())
 
     @property
     def n_active(self) -> int:
@@ -83,11 +95,15 @@ class BatchGroup:
             if self._admitting.pop(threading.get_ident(), None) is not None:
                 self._cond.notify_all()
 
-    def drive(self, steps: Iterator) -> Iterator:
+    def drive(self, steps: Iterator, views: Sequence["SeqBackend"] = ()) -> Iterator:
         """Run a decode loop (a generator of Steps) as a member: while it runs Python the group's next
         batch waits for its rows; while its consumer holds a Step (the loop is suspended) the batch
-        waits YIELD_GRACE_S for it, then goes on without it; once it has ended, without it."""
+        waits YIELD_GRACE_S for it, then goes on without it; once it has ended, without it. views: the
+        loop's sequence views (one per backend), which move() may then give other ids between steps."""
+        me = threading.get_ident()
         self._change(active=1, running=1, joined=True)
+        with self._cond:
+            self._members[me] = tuple(views)
         try:
             while True:
                 try:
@@ -103,7 +119,58 @@ class BatchGroup:
             try:
                 steps.close()          # the loop's rollback (truncate) runs while this member counts
             finally:
+                with self._cond:
+                    self._members.pop(me, None)
                 self._change(active=-1, running=-1)
+
+    def move(self, src: Sequence["SeqBackend"], dst: Sequence["SeqBackend"], timeout_s: float = 1.0) -> bool:
+        """Move a running member's sequences (src: its views, one per backend, as given to drive) to the ids
+        of an idle slot's views (dst, the same backends in the same order), at the next step: when every
+        member waits for an evaluation or holds a Step, before the evaluation. The caches move (a state copy,
+        ~1 ms per 100 positions), and the views swap ids: src's now name dst's former ids, whose caches they
+        hold, and dst's the former ids of src, left empty. The caller owns dst (an idle slot: nothing else
+        uses it meanwhile). False when src is not a member's views (not joined yet, or ended), the copy
+        failed, or no step came within timeout_s (then nothing moved).
+
+        What it is for: with one KV stream per sequence llama.cpp splits a batch at every gap in the ids, so
+        busy sequences 0 and 2 cost two passes over the weights where 0 and 1 cost one (gapfill.py); the
+        scheduler closes a gap that a finished job leaves by moving the highest busy sequence into it."""
+        src, dst = list(src), list(dst)
+        if len(src) != len(dst) or any(a.shared is not b.shared for a, b in zip(src, dst)):
+            raise ValueError("move() needs one idle view per backend of the member's, in the same order")
+        mv = _Move(src, dst)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._moves.append(mv)
+            while not mv.done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._moves.remove(mv)
+                    return False
+                self._cond.wait(left)
+        return mv.ok
+
+    def _apply_moves(self) -> None:
+        """Run the requested moves (called by _execute with the condition held, no member running Python)."""
+        moves, self._moves = self._moves, []
+        members = {tuple(map(id, v)) for v in self._members.values()}
+        with self._engine:
+            for mv in moves:
+                if tuple(map(id, mv.src)) in members:
+                    done = []
+                    try:
+                        for a, b in zip(mv.src, mv.dst):
+                            a.shared.move_seq(a.seq, b.seq)
+                            a.seq, b.seq = b.seq, a.seq
+                            done.append((a, b))
+                        mv.ok = True
+                        self.n_moves += 1
+                    except Exception:           # BackendError: back where they were (the moved ones)
+                        for a, b in reversed(done):
+                            a.shared.move_seq(a.seq, b.seq)
+                            a.seq, b.seq = b.seq, a.seq
+                mv.done = True
+        self._cond.notify_all()
 
     def _change(self, *, active: int = 0, running: int = 0, yielded: int = 0, joined: bool = False) -> None:
         with self._cond:
@@ -116,10 +183,10 @@ class BatchGroup:
                 self._cond.notify_all()          # the others all wait for an eval: one of them runs it
 
     # -- called by SeqBackend ------------------------------------------------------------------
-    def eval(self, backend, seq: int, tokens: list[int], k: int) -> np.ndarray:
-        req = _Request(backend, seq, tokens, k)
+    def eval(self, view: "SeqBackend", tokens: list[int], k: int) -> np.ndarray:
+        req = _Request(view, tokens, k)
         with self._cond:
-            self._pending[id(backend)].append(req)
+            self._pending[id(view.shared)].append(req)
             self._running -= 1          # the last member to post evaluates the batch itself (no wake-up)
             graced = False
             while not req.done:
@@ -153,12 +220,14 @@ class BatchGroup:
         finally:
             self.eval_s += time.perf_counter() - t0
 
-    def truncate(self, backend, seq: int, n: int) -> None:
-        with self._engine:
-            backend.truncate_seq(seq, n)
+    def truncate(self, view: "SeqBackend", n: int) -> None:
+        with self._engine:                # the id is read under the lock: move() changes it under it too
+            view.shared.truncate_seq(view.seq, n)
 
     def _execute(self) -> None:
         """Evaluate the posted rows of the first backend that has any (called with the condition held)."""
+        if self._moves:
+            self._apply_moves()
         batch: list[_Request] = []
         for b in self.backends:
             batch = self._pending[id(b)]
@@ -167,13 +236,13 @@ class BatchGroup:
                 break
         if not batch:
             return
-        backend = batch[0].backend
+        backend = batch[0].view.shared
         self._executing = True
         self._cond.release()
         try:
             try:
                 with self._engine:     # eval_rows runs on the engine thread (llamacpp.on_engine)
-                    outs = self._timed(backend, [(r.seq, r.tokens, r.k) for r in batch])
+                    outs = self._timed(backend, [(r.view.seq, r.tokens, r.k) for r in batch])
                 for r, out in zip(batch, outs):
                     r.out = out
             except BaseException as exc:       # every row of a failed batch gets the error
@@ -213,10 +282,10 @@ class SeqBackend:
         toks, k = check_eval(self, tokens, n_logits)
         if not toks:
             return np.empty((0, self.n_vocab), dtype=np.float32)
-        return self.group.eval(self.shared, self.seq, toks, k)
+        return self.group.eval(self, toks, k)
 
     def truncate(self, n: int) -> None:
-        self.group.truncate(self.shared, self.seq, n)
+        self.group.truncate(self, n)
 
     def save_state(self):
         """This sequence's saved cache (the shared backend's save_seq, between the group's evaluations)."""

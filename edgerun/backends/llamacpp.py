@@ -292,6 +292,20 @@ class LlamaCppBackend:
                                f"into sequence {seq}")
         self._seqs[seq][:] = state.tokens
 
+    def move_seq(self, src: int, dst: int) -> None:
+        """Move sequence src's cache to sequence dst (whose own cache is dropped); src is left empty. The
+        token lists move with the caches: the list that was src's (a holder of it, such as a batch view,
+        sees its tokens unchanged) is dst's now, and dst's former list, emptied, is src's."""
+        if src == dst:
+            return
+        a, b = self._seqs[src], self._seqs[dst]
+        state = self.save_seq(src)
+        self.restore_seq(dst, state)
+        self.truncate_seq(src, 0)
+        self._seqs[src], self._seqs[dst] = b, a
+        a[:] = state.tokens
+        b.clear()
+
     def save_state(self) -> "SeqState":
         return self.save_seq(0)
 

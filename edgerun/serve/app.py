@@ -230,7 +230,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         text = state.metrics.render(queue_depth=sch.depth, queue_limit=sch.queue_limit, busy=sch.busy,
                                     ready=sch.ready.is_set() and not sch.draining, slots=sch.n_slots,
                                     running=len(sch.running_jobs),
-                                    batch=(group.n_steps, group.n_rows, group.eval_s) if group is not None else (0, 0, 0.0),
+                                    batch=(group.n_steps, group.n_rows, group.eval_s, group.n_moves) if group is not None
+                                    else (0, 0, 0.0, 0),
                                     prompt_cache=(pc.hits, pc.saved_positions, pc.nbytes, len(pc)) if pc is not None
                                     else (0, 0, 0, 0))
         return Response(text, media_type=METRICS_CONTENT_TYPE)

@@ -87,7 +87,7 @@ class Metrics:
             self.gamma = gamma
 
     def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool, slots: int = 1,
-               running: int | None = None, batch: tuple[int, int, float] = (0, 0, 0.0),
+               running: int | None = None, batch: tuple[int, int, float, int] = (0, 0, 0.0, 0),
                prompt_cache: tuple[int, int, int, int] = (0, 0, 0, 0)) -> str:
         """The exposition text. Live values (queue, readiness) are passed in by the caller."""
         with self._lock:
@@ -148,6 +148,9 @@ class Metrics:
             metric("edgerun_batch_eval_seconds_total", "counter",
                    "Wall time inside those evaluations (llama_decode and the logits copies).",
                    [("", batch[2])])
+            metric("edgerun_batch_moves_total", "counter",
+                   "Running sequences moved to a lower free id, closing a gap a finished one left.",
+                   [("", batch[3] if len(batch) > 3 else 0)])
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"

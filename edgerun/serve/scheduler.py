@@ -346,6 +346,8 @@ class Scheduler:
                     with self._cond:               # the slot is free once its job's end is recorded
                         self._running.remove(job)
                         self._idle.add(slot)
+                if group is not None:
+                    self._compact(group)
             finally:
                 if group is not None:               # a no-op once the job's decode loop has joined
                     group.end_admission()
@@ -385,10 +387,11 @@ class Scheduler:
         except Exception:                    # bad input: _run reports it
             return slot, None
         prompt = prepared[0]
+        seq = self._seq_id
         with self._cond:
             free = sorted(self._idle | {slot})
-            busy = set(range(len(self.slots))) - set(free)
-            best = min(free, key=lambda i: (_runs(busy | {i}), i))
+            busy = {seq(i) for i in range(len(self.slots)) if i not in free}
+            best = min(free, key=lambda i: (_runs(busy | {seq(i)}), seq(i)))
             if best != slot:
                 self._idle.discard(best)
         have = {i: common_prefix(self.slots[i].target.tokens, prompt) for i in free}
@@ -400,6 +403,47 @@ class Scheduler:
                 self._handoff[best] = (job, prepared)
                 self._cond.notify_all()
         return best, prepared
+
+    def _seq_id(self, slot: int) -> int:
+        """The sequence id slot `slot` runs on now (its target view's; _compact changes it)."""
+        return getattr(self.slots[slot].target, "seq", slot)
+
+    def _compact(self, group: Any) -> None:
+        """Close the gaps a finished job left in the busy sequence ids: move the highest busy sequence into
+        the idle id that packs the busy ones best (BatchGroup.move, at the running sequences' next step).
+        With one KV stream per sequence llama.cpp evaluates busy ids 0 and 2 in two passes over the weights,
+        0 and 1 in one (docs/batching.md has the cost). The idle slot's own cache goes to the prompt cache
+        first when a restore would pay; a sequence that is still being placed (not joined) is not moved. Not
+        while jobs wait: the freed slot takes one at once (a move would hold its admission for a step), and
+        the packing of _affinity places it."""
+        seq = self._seq_id
+        with self._dispatch:
+            for _ in range(len(self.slots)):
+                with self._cond:
+                    if self._waiting or self._handoff:
+                        return          # the free slot takes a job at once: a move would only delay it
+                    idle = set(self._idle)
+                busy = [i for i in range(len(self.slots)) if i not in idle]
+                ids = {seq(i) for i in busy}
+                if not idle or _runs(ids) <= 1:
+                    return
+                src = max(busy, key=seq)
+                rest = ids - {seq(src)}
+                dst = min((i for i in idle if seq(i) < seq(src)), key=lambda i: (_runs(rest | {seq(i)}), seq(i)),
+                          default=None)
+                if dst is None or _runs(rest | {seq(dst)}) >= _runs(ids):
+                    return
+                to = self.slots[dst].target
+                if self.prompt_cache is not None and len(to.tokens) >= MIN_GAIN:
+                    try:
+                        self.prompt_cache.put(to.save_state())
+                    except EdgerunError as e:
+                        log.warning("saving slot %d's cache before moving a sequence there: %s", dst, e)
+                # at the next step: a few steps' time at most (then the gap stays until the next job ends)
+                step_s = group.eval_s / group.n_steps if group.n_steps else 0.1
+                if not group.move(self.slots[src].batch_views(), self.slots[dst].batch_views(),
+                                  timeout_s=min(2.0, max(0.1, 3 * step_s))):
+                    return
 
     def _move_prefix(self, src: int, dst: int, dst_kept: int) -> None:
         """Copy free slot src's cache into free slot dst (dst's own, if it would be lost, into the prompt
