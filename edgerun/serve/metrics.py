@@ -150,7 +150,7 @@ class Metrics:
                    [("", batch[2])])
             metric("edgerun_batch_moves_total", "counter",
                    "Running sequences moved to a lower free id, closing a gap a finished one left.",
-                   [("", batch[3] if len(batch) > 3 else 0)])
+                   [("", batch[3])])
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"
