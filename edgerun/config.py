@@ -89,6 +89,7 @@ class BackendArgs:
     flash_attn: bool = True
     use_mmap: bool = True
     use_mlock: bool = False
+    huge_pages: bool = True           # what a load adds (weights, KV) on transparent huge pages (util/hugepages.py)
     providers: tuple[str, ...] = ("CPUExecutionProvider",)   # onnxruntime execution providers
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ import gguf  # noqa: E402
 
 from edgerun.backends import open_backend# noqa: E402
 from edgerun.backends.llamacpp import LlamaCppBackend# noqa: E402
-from edgerun.backends.onnxrt import OnnxBackend, new_ranges, parse_anon_ranges, select_providers# noqa: E402
+from edgerun.backends.onnxrt import OnnxBackend, select_providers  # noqa: E402
 from edgerun.backends.reference import ReferenceBackend# noqa: E402
 from edgerun.config import BackendArgs, SamplingArgs# noqa: E402
 from edgerun.errors import ContextOverflow, InvalidArgument, ModelFormatError, ModelNotFound# noqa: E402
@@ -363,25 +363,6 @@ def test_graph_without_the_expected_inputs(exports, tmp_path):
     (d / MODEL_FILE).write_bytes(b"garbage")
     with pytest.raises(ModelFormatError, match="cannot load"):
         OnnxBackend(d, ARGS)
-
-
-def test_new_anonymous_memory_spans_for_huge_pages():
-    maps = """55a48ecf8000-55a490000000 rw-p 00000000 00:00 0                          [heap]
-7f4000000000-7f4000600000 rw-p 00000000 00:00 0
-7f4010a63000-7f4010dc3000 r--p 00000000 fd:01 123                        /x/model.onnx.data
-7f4020000000-7f4020200000 rw-s 00000000 00:05 9                          /dev/shm/x
-7f4030000000-7f4030100000 rw-p 00000000 00:00 0
-"""
-    spans = parse_anon_ranges(maps)
-    assert spans == {0x55a48ecf8000: (0x55a490000000, True), 0x7f4000000000: (0x7f4000600000, False),
-                     0x7f4030000000: (0x7f4030100000, False)}
-    mb2 = 2 << 20
-    grown = {**spans, 0x7f4000000000: (0x7f4000a00000, False), 0x7f4050000000: (0x7f4050500000, False)}
-    # the whole heap (freed memory there is handed out again), a mapping's new tail and a new mapping,
-    # each page-aligned inwards; unchanged and small mappings are left out
-    assert new_ranges(spans, grown, mb2) == [(0x55a48ee00000, 0x55a490000000), (0x7f4000600000, 0x7f4000a00000),
-                                             (0x7f4050000000, 0x7f4050400000)]
-    assert new_ranges(spans, spans, mb2) == [(0x55a48ee00000, 0x55a490000000)]
 
 
 def test_unavailable_execution_provider_falls_back_with_a_log_line(exports, caplog):

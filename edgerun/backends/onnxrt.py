@@ -19,9 +19,6 @@ SmolLM2-135M here) for a one-time cost at load (~0.4 s per 200 MB).
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -32,6 +29,7 @@ from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument, ModelFormatError
 from ..onnx.layout import LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value, read_config
 from ..tokenizer import Tokenizer
+from ..util import hugepages
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +97,7 @@ class OnnxBackend:
     def __init__(self, path: str | Path, args: BackendArgs | None = None) -> None:
         args = args or BackendArgs()
         ort = _ort()
-        before = _anon_ranges()              # the memory onnxruntime adds from here on is the weights'
+        before = hugepages.anon_ranges() if args.huge_pages else {}   # what onnxruntime adds from here: the weights
         self.path = Path(path)
         self.config: OnnxModelConfig = read_config(self.path)
         cfg = self.config
@@ -116,7 +114,7 @@ class OnnxBackend:
         self.n_threads = args.n_threads or default_threads()
         self.providers = self._open_session(ort, select_providers(args.providers))
         if self.providers[0] == CPU:
-            _collapse_new_memory(before, self.path.name)
+            hugepages.collapse_new_memory(before, self.path.name, "onnxruntime's weight memory")
         self._check_graph()
 
         self.n_ctx = args.n_ctx
@@ -266,83 +264,6 @@ class OnnxBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------------- huge pages
-
-MADV_COLLAPSE = 25          # <linux/mman.h>, Linux >= 6.1: make huge pages now, whatever the THP sysfs mode
-
-
-def parse_anon_ranges(maps: str) -> dict[int, tuple[int, bool]]:
-    """start -> (end, is the brk heap) of the private writable anonymous mappings in /proc/<pid>/maps text."""
-    out = {}
-    for line in maps.splitlines():
-        f = line.split()
-        if len(f) >= 5 and f[1].startswith("rw") and f[1].endswith("p") and (len(f) == 5 or f[5] == "[heap]"):
-            start, end = (int(x, 16) for x in f[0].split("-"))
-            out[start] = (end, len(f) > 5)
-    return out
-
-
-def _anon_ranges() -> dict[int, tuple[int, bool]]:
-    if not sys.platform.startswith("linux"):
-        return {}
-    try:
-        return parse_anon_ranges(Path("/proc/self/maps").read_text())
-    except OSError:
-        return {}
-
-
-def new_ranges(before: dict[int, tuple[int, bool]], after: dict[int, tuple[int, bool]],
-               page: int) -> list[tuple[int, int]]:
-    """Page-aligned [start, end) spans, each at least one `page` long, where memory allocated between
-    `before` and `after` may lie: mappings `before` lacked (or their new tail, when grown in place) and
-    the whole brk heap -- malloc hands out memory freed there earlier (a closed session's) again."""
-    spans = []
-    for start, (end, heap) in sorted(after.items()):
-        lo = start if heap else max(start, before.get(start, (start, False))[0])
-        lo, hi = -(-lo // page) * page, end // page * page         # inwards to whole pages
-        if hi - lo >= page:
-            spans.append((lo, hi))
-    return spans
-
-
-def _collapse_new_memory(before: dict[int, int], what: str) -> int:
-    """Back the anonymous memory mapped since `before` with transparent huge pages, where it is (almost)
-    all resident -- the weights, not thread stacks or free heap -- and return the bytes collapsed. Best
-    effort: a kernel without MADV_COLLAPSE, THP off or no free huge pages only logs."""
-    if not before:
-        return 0
-    try:
-        import ctypes
-
-        page = int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
-        small = os.sysconf("SC_PAGE_SIZE")
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise, mincore = libc.madvise, libc.mincore
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    except (OSError, ValueError, AttributeError) as e:
-        log.debug("no transparent huge pages for %s: %s", what, e)
-        return 0
-    t0 = time.perf_counter()
-    done, err = 0, 0
-    resident = np.zeros(page // small, dtype=np.uint8)             # mincore's answer for one huge page
-    for lo, hi in new_ranges(before, _anon_ranges(), page):
-        for a in range(lo, hi, page):
-            if mincore(a, page, resident.ctypes.data) != 0 or (resident & 1).mean() < 0.9:
-                continue                                           # mostly unused: collapsing would only add RSS
-            # the contents stay; later allocations in these mappings keep the system's THP policy
-            if madvise(a, page, MADV_COLLAPSE) == 0:
-                done += page
-            else:
-                err = ctypes.get_errno()
-    if done:
-        log.info("%s: %d MiB of onnxruntime's weight memory on %d KiB pages in %.0f ms",
-                 what, done >> 20, page >> 10, 1e3 * (time.perf_counter() - t0))
-    elif err:
-        log.debug("%s: MADV_COLLAPSE failed (%s); weights stay on small pages", what, os.strerror(err))
-    return done
 
 
 def _first_line(e: BaseException) -> str:

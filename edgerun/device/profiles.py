@@ -69,6 +69,7 @@ class LlamaSettings:
     flash_attn: bool = True                    # needed for bit-identical batched vs single-token logits
     use_mmap: bool = True
     use_mlock: bool = False
+    huge_pages: bool = True                    # weights, KV cache on 2 MiB pages after loading (Linux >= 6.1)
     parallel: int = 4                          # sequences `edgerun serve` batches (--parallel; KV cache each)
 
 

@@ -1,0 +1,104 @@
+"""Huge pages for llama.cpp's memory: the same model loaded twice in one process, on small and on huge pages.
+
+Both backends are edgerun's llama.cpp backend over the same file, threads and context; one loaded with
+huge_pages off (llama.cpp's own allocation: 4 KiB pages under THP's `madvise` mode, as llama-server runs),
+one with it on (the default: the load's anonymous memory collapsed into 2 MiB pages, util/hugepages.py).
+They decode the same greedy tokens with edgerun's loop, alternating run by run (off, on, off, ...) so the
+machine's drift hits both alike; the rate excludes the prompt. Also reports, per backend, how much memory
+was collapsed and the AnonHugePages the kernel shows for the process. Writes bench/results/hugepages.json.
+
+    python bench/hugepages.py [--model qwen2.5-coder-1.5b-instruct@spec] [--tokens 64] [--repeats 8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+PROMPT = "def quicksort(items):\n    \"\"\"Sort a list with quicksort and explain each step.\"\"\"\n"
+
+
+def anon_huge_mib() -> float:
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return next(int(line.split()[1]) for line in text.splitlines() if line.startswith("AnonHugePages:")) / 1024
+
+
+def decode_rate(backend, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    from edgerun.config import SamplingArgs
+    from edgerun.generate import generate
+
+    stamps, toks = [], []
+    backend.truncate(0)
+    for step in generate(backend, prompt, SamplingArgs(temperature=0.0), max_tokens=n, is_eog=lambda t: False):
+        stamps.append(time.perf_counter())
+        toks.append(step.token)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), toks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct@spec")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hugepages.json"))
+    a = ap.parse_args()
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("edgerun.util.hugepages").setLevel(logging.INFO)     # prints how long the collapse took
+
+    from edgerun.backends.llamacpp import LlamaCppBackend
+    from edgerun.config import BackendArgs
+    from edgerun.registry.cache import resolve_model
+
+    path = resolve_model(a.model)
+    backends, huge_mib, load_s = {}, {}, {}
+    for huge in (False, True):
+        before = anon_huge_mib()
+        t0 = time.perf_counter()
+        backends[huge] = LlamaCppBackend(path, BackendArgs(n_ctx=a.ctx, n_threads=a.threads, huge_pages=huge))
+        load_s[huge] = time.perf_counter() - t0
+        print(f"loaded huge_pages={huge} in {load_s[huge]:.1f} s: collapsed "
+              f"{backends[huge].huge_bytes / 2**20:.0f} MiB, AnonHugePages +{anon_huge_mib() - before:.0f} MiB")
+        huge_mib[huge] = backends[huge].huge_bytes / 2**20
+    prompt = backends[False].tokenizer.tokenize(PROMPT, add_bos=False)
+    for b in backends.values():
+        decode_rate(b, prompt, 8)                     # warm-up: page in what is mapped from the file
+
+    rates = {False: [], True: []}
+    same = True
+    for i in range(a.repeats):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        toks = {}
+        for huge in order:
+            r, toks[huge] = decode_rate(backends[huge], prompt, a.tokens)
+            rates[huge].append(r)
+        same &= toks[False] == toks[True]
+    ratios = [h / s for h, s in zip(rates[True], rates[False])]
+    logs = [math.log(r) for r in ratios]
+    gm = math.exp(statistics.mean(logs))
+    half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    result = {"model": a.model, "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats, "ctx": a.ctx,
+              "small_pages_tok_s": rates[False], "huge_pages_tok_s": rates[True], "ratio_per_pair": ratios,
+              "ratio_geomean": gm, "ratio_95": [math.exp(statistics.mean(logs) - half),
+                                                math.exp(statistics.mean(logs) + half)],
+              "collapsed_mib": huge_mib[True], "load_s_small_pages": load_s[False], "load_s_huge_pages": load_s[True],
+              "same_tokens": same}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"{'pair':>4} {'small pages tok/s':>18} {'huge pages tok/s':>17} {'ratio':>7}")
+    for i, (s, h, r) in enumerate(zip(rates[False], rates[True], ratios)):
+        print(f"{i:>4} {s:>18.2f} {h:>17.2f} {r:>7.3f}")
+    print(f"huge / small pages: {gm:.3f} [{result['ratio_95'][0]:.3f}, {result['ratio_95'][1]:.3f}] "
+          f"(geometric mean, ~95% interval; {sum(r > 1 for r in ratios)}/{len(ratios)} pairs > 1; "
+          f"same greedy tokens: {same})")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
