@@ -274,8 +274,10 @@ def generate(
                                     q, draft, rng)
             t2 = time.perf_counter()
             last = logits[n_acc]
-            # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts
-            target.truncate(len(committed) + n_acc)
+            # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts (nothing
+            # to drop when every draft was accepted, as in every plain cycle: no call into the backend)
+            if n_acc < gamma:
+                target.truncate(len(committed) + n_acc)
             if constraint is not None:
                 constraint.rollback(gamma - n_acc)
                 if not is_eog(nxt):

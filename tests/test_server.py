@@ -909,3 +909,25 @@ def test_prompt_cache_never_takes_more_than_a_quarter_of_the_available_ram(monke
     with caplog.at_level("WARNING", logger="edgerun.serve.promptcache"):
         assert promptcache.sized(256).max_bytes == 100 * 2**20
     assert "keeping it to 100 MiB" in caplog.text
+
+
+def test_a_pre_serialised_chunk_is_the_chunk_serialised_byte_for_byte():
+    """A streamed token's SSE chunk is built from the stream's chunk serialised once (sse_framer): it must be
+    exactly what serialising the whole chunk with the token's text gives, whatever the text holds."""
+    from edgerun.serve.protocol import sse_data, sse_framer
+
+    mark = "\ue000mark\ue000"
+
+    def chunk(text):
+        return {"id": "chatcmpl-x", "created": 1, "model": "m\"odel", "system_fingerprint": None,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}]}
+
+    frame = sse_framer(chunk(mark), mark)
+    for text in ["hi", " wörld ✓", 'quote " and \\ backslash', "line\nbreak\ttab", "\x00\x1f", "\ud83d",
+                 "\U0001f600", "", mark[1:]]:
+        assert frame(text) == sse_data(chunk(text)), text
+    with pytest.raises(ValueError, match="exactly one"):
+        sse_framer({"a": mark, "b": mark}, mark)
+    with pytest.raises(ValueError, match="exactly one"):
+        sse_framer({"a": "x"}, mark)

@@ -37,8 +37,8 @@ from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
 from ..errors import ContextOverflow, EdgerunError
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
-                       max_tokens_from, reject_unsupported, sampling_from, sse_data, stop_from, structure_from, usage,
-                       validate)
+                       max_tokens_from, reject_unsupported, sampling_from, sse_data, sse_framer, stop_from,
+                       structure_from, usage, validate)
 from .settings import ServerConfig
 
 
@@ -618,6 +618,9 @@ def _tool_delta(event: tuple) -> dict:
     return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
 
 
+_TEXT_MARK = "\ue000edgerun-text\ue000"       # stands for a token's text in a pre-serialised chunk (sse_framer)
+
+
 async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio.Task, *, ident: str,
                chat: bool, include_usage: bool, tools=()) -> AsyncIterator[bytes]:
     """Server-sent events of one generation. The watcher cancels the job as soon as the client goes
@@ -639,6 +642,8 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
         return {**base, "object": "text_completion",
                 "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}], **extra}
 
+    text_chunk = sse_framer(chunk(_TEXT_MARK, None), _TEXT_MARK)      # chunk(text, None), serialised once
+
     try:
         if chat:
             yield sse_data({**base, "object": "chat.completion.chunk",
@@ -650,7 +655,7 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
                 for ev in reader.feed(event[1].text):
                     yield sse_data(delta_chunk(_tool_delta(ev)))
             elif event[1].text:
-                yield sse_data(chunk(event[1].text, None))
+                yield text_chunk(event[1].text)
             try:
                 event = await _next_event(state, job)
             except APIError as err:

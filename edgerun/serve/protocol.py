@@ -284,3 +284,14 @@ def usage(res: JobResult) -> dict:
 
 def sse_data(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def sse_framer(obj: dict, mark: str):
+    """A function text -> sse_data(obj with `mark`, one of its string values, replaced by text), byte for byte,
+    that does not serialise obj again: a stream's token chunks differ only in their text, and building and
+    dumping the whole chunk per token was a sixth of the event loop's time per streamed token."""
+    head, sep, tail = sse_data(obj).partition(json.dumps(mark).encode("utf-8"))
+    if not sep or json.dumps(mark).encode("utf-8") in tail:
+        raise ValueError("the mark must be exactly one string value of the object")
+    return lambda text: head + json.dumps(text).encode("utf-8") + tail
+
