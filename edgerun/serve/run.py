@@ -12,6 +12,11 @@ from typing import Any, Callable
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:                                   # uvicorn's C-parser protocol (httptools, from uvloop's authors), when installed
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:                    # pragma: no cover - the serve extra installs it
+    HttpToolsProtocol = None
+
 from ..errors import EdgerunError, ModelNotFound
 from .app import _State, create_app
 from .settings import ServerConfig, is_loopback
@@ -54,9 +59,9 @@ PER_PEER_CONNECTIONS = 64
 MAX_CONNECTIONS = 512
 
 
-class _GuardedH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, with a deadline for reading each request (headers and body) and a cap
-    on the connections of one non-loopback peer. uvicorn itself closes sockets idle between requests only
+class _Guard:
+    """Mixed into uvicorn's HTTP/1.1 protocols (h11 and httptools): a deadline for reading each request
+    (headers and body) and a cap on the connections of one non-loopback peer. uvicorn itself closes sockets idle between requests only
     (keep-alive timeout); one that never sends a request, or trickles it, would stay open for ever."""
 
     _per_peer: Counter = Counter()
@@ -65,8 +70,8 @@ class _GuardedH11(H11Protocol):
         super().connection_made(transport)
         self._read_timer = None
         self._peer = self.client[0] if self.client else None
-        _GuardedH11._per_peer[self._peer] += 1
-        if self._peer and not is_loopback(self._peer) and _GuardedH11._per_peer[self._peer] > PER_PEER_CONNECTIONS:
+        _Guard._per_peer[self._peer] += 1
+        if self._peer and not is_loopback(self._peer) and _Guard._per_peer[self._peer] > PER_PEER_CONNECTIONS:
             log.warning("closing a connection from %s: it holds more than %d", self._peer, PER_PEER_CONNECTIONS)
             transport.close()
             return
@@ -103,10 +108,31 @@ class _GuardedH11(H11Protocol):
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
-        _GuardedH11._per_peer[self._peer] -= 1
-        if _GuardedH11._per_peer[self._peer] <= 0:
-            del _GuardedH11._per_peer[self._peer]
+        _Guard._per_peer[self._peer] -= 1
+        if _Guard._per_peer[self._peer] <= 0:
+            del _Guard._per_peer[self._peer]
         super().connection_lost(exc)
+
+
+class _GuardedH11(_Guard, H11Protocol):
+    """uvicorn's pure-Python HTTP/1.1 protocol (h11), guarded."""
+
+
+if HttpToolsProtocol is not None:
+    class _GuardedHttpTools(_Guard, HttpToolsProtocol):
+        """uvicorn's httptools protocol, guarded: the same answers as h11's with less event-loop time per
+        streamed token (its response framing is a few byte joins where h11 runs a state machine per chunk;
+        docs/batching.md has the figures)."""
+
+
+def http_protocol() -> type:
+    """The guarded protocol uvicorn serves with: httptools where installed (the serve extra), else h11.
+    EDGERUN_HTTP=h11 picks h11 (a fallback, and the baseline of the comparison in docs/batching.md)."""
+    import os
+
+    if HttpToolsProtocol is not None and os.environ.get("EDGERUN_HTTP", "auto") != "h11":
+        return _GuardedHttpTools
+    return _GuardedH11
 
 
 class _UvicornServer(uvicorn.Server):
@@ -162,7 +188,7 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
     uv_config = uvicorn.Config(app, host=config.host, port=port, log_config=None, log_level=log_level,
                                access_log=False, lifespan="on", proxy_headers=False, server_header=False,
                                timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5,
-                               limit_concurrency=MAX_CONNECTIONS, http=_GuardedH11)
+                               limit_concurrency=MAX_CONNECTIONS, http=http_protocol())
     server = _UvicornServer(uv_config)
     holder["server"] = server
 
