@@ -264,7 +264,9 @@ def generate(
             def context_at(i: int) -> list[int]:          # what the repetition penalty sees at position i
                 return committed if i == 0 or not penalise else committed + draft[:i]
 
-            if sampling.greedy:
+            if sampling.greedy and gamma == 0:
+                n_acc, nxt = 0, greedy_token(logits[0], sampling, committed)    # plain greedy decoding
+            elif sampling.greedy:
                 # greedy: the target's argmax at each verified position decides (verify()'s one-hot case)
                 n_acc, nxt = verify_greedy([greedy_token(logits[i], sampling, context_at(i))
                                             for i in range(gamma + 1)], draft)

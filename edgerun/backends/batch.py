@@ -25,6 +25,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .base import check_eval
+from ..util import handoff
 
 
 YIELD_GRACE_S = 0.005     # how long a batch waits for a member whose consumer holds its last Step
@@ -184,6 +185,13 @@ class BatchGroup:
 
     # -- called by SeqBackend ------------------------------------------------------------------
     def eval(self, view: "SeqBackend", tokens: list[int], k: int) -> np.ndarray:
+        with self._cond:
+            alone = (self._active == 1 and self._running == 1 and not self._executing and not self._yielded
+                     and not self._admitting and not self._moves)
+            if alone:
+                self._executing = True
+        if alone:
+            return self._eval_alone(view, tokens, k)
         req = _Request(view, tokens, k)
         with self._cond:
             self._pending[id(view.shared)].append(req)
@@ -196,6 +204,7 @@ class BatchGroup:
                         # rows: give it a moment (it then evaluates the batch itself) rather than split
                         # the batch; a consumer that holds its Step longer costs the others only this
                         graced = True
+                        handoff.flush()     # no evaluation for a while: deliver what waits for one
                         self._cond.wait(YIELD_GRACE_S)
                         continue
                     if self._admitting:
@@ -204,6 +213,7 @@ class BatchGroup:
                         # itself), else a later one
                         wait = max(self._admitting.values()) + ADMIT_GRACE_S - time.monotonic()
                         if wait > 0:
+                            handoff.flush()
                             self._cond.wait(wait)
                             continue
                     self._execute()
@@ -212,6 +222,21 @@ class BatchGroup:
         if req.error is not None:
             raise req.error
         return req.out
+
+    def _eval_alone(self, view: "SeqBackend", tokens: list[int], k: int) -> np.ndarray:
+        """The only member's rows, evaluated at once (a lone client's every step): what _execute does for a
+        batch of one, with less Python between two evaluations (docs/batching.md). The member stays counted
+        as running, so one that joins meanwhile waits for this evaluation and then for the member's next
+        rows, as it would in a batch."""
+        try:
+            with self._engine:
+                return self._timed(view.shared, [(view.seq, tokens, k)])[0]
+        finally:
+            with self._cond:
+                self._executing = False
+                self.n_steps += 1
+                self.n_rows += len(tokens)
+                self._cond.notify_all()
 
     def _timed(self, backend, rows):
         t0 = time.perf_counter()

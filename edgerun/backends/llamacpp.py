@@ -12,11 +12,12 @@ tokens) are sequence 0's.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -29,7 +30,7 @@ from .. import llama_lib
 from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument
 from ..tokenizer import Tokenizer
-from ..util import hugepages
+from ..util import handoff, hugepages
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +46,74 @@ class SeqState:
         return len(self.data) + 8 * len(self.tokens)
 
 
-_engine: ThreadPoolExecutor | None = None
+class _Call:
+    __slots__ = ("fn", "args", "result", "error", "done")
+
+    def __init__(self, fn, args) -> None:
+        self.fn, self.args = fn, args
+        self.result = self.error = None
+        self.done = threading.Lock()
+        self.done.acquire()                  # released by the engine once fn has run
+
+
+class _Engine:
+    """One long-lived thread running calls in the order they come. Hand-offs are bare locks (a caller
+    blocks in one, the engine in another), not concurrent.futures: between two evaluations of a small
+    model every line of Python counts, and a Future with its Condition cost ~50 µs a step more than
+    this (docs/batching.md, "Between two evaluations")."""
+
+    def __init__(self) -> None:
+        self._calls: deque[_Call] = deque()
+        self._wake = threading.Lock()
+        self._wake.acquire()                 # released when a call is queued
+        self._stopping = False
+        self.thread = threading.Thread(target=self._main, name="edgerun-engine", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)           # the call in progress ends before the interpreter frees anything
+
+    def _main(self) -> None:
+        global _engine_ident
+        _engine_ident = threading.get_ident()
+        while not self._stopping:
+            self._wake.acquire()
+            while self._calls:
+                call = self._calls.popleft()
+                try:
+                    call.result = call.fn(*call.args)
+                except BaseException as exc:         # handed to the caller, raised there
+                    call.error = exc
+                call.done.release()
+
+    def _signal(self) -> None:
+        try:
+            self._wake.release()
+        except RuntimeError:                 # already released: the engine looks at the queue before it sleeps
+            pass
+
+    def run(self, fn, args):
+        if self._stopping:                   # the interpreter is exiting: no engine any more
+            return fn(*args)
+        call = _Call(fn, args)
+        self._calls.append(call)
+        self._signal()
+        try:
+            call.done.acquire()
+        except BaseException:                # interrupted (Ctrl-C): the evaluation goes on; wait for it first
+            call.done.acquire()
+            raise
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._signal()
+        self.thread.join(timeout=30)
+
+
+_engine: _Engine | None = None
 _engine_ident: int | None = None
 _engine_lock = threading.Lock()
-
-
-def _mark_engine() -> None:
-    global _engine_ident
-    _engine_ident = threading.get_ident()
 
 
 def on_engine(fn, *args):
@@ -70,17 +131,11 @@ def on_engine(fn, *args):
     global _engine
     if threading.get_ident() == _engine_ident:
         return fn(*args)
-    with _engine_lock:
-        if _engine is None:
-            _engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgerun-engine",
-                                         initializer=_mark_engine)
-    fut = _engine.submit(fn, *args)
-    try:
-        return fut.result()
-    except BaseException:
-        if not fut.done():
-            wait([fut])
-        raise
+    if _engine is None:
+        with _engine_lock:
+            if _engine is None:
+                _engine = _Engine()
+    return _engine.run(fn, args)
 
 
 def default_threads() -> int:
@@ -142,6 +197,7 @@ class LlamaCppBackend:
         self.gaps = GapChooser()
         self.fill_gaps: bool | None = None
         self.tokens: list[int] = self._seqs[0]
+        self._logits_views: dict[tuple[int, int], np.ndarray] = {}    # (address, rows) -> a view of llama.cpp's logits
 
     # -- Backend protocol ---------------------------------------------------------------------
     @property
@@ -177,6 +233,11 @@ class LlamaCppBackend:
         L = llama_lib.lib()
         outs = [np.empty((k, self.n_vocab), dtype=np.float32) for _, _, k in rows]
         filled = [0] * len(rows)
+        if len(rows) == 1:                      # one sequence (every step of a lone client): no order, no gaps
+            seq, toks, k = rows[0]
+            base, n = len(self._seqs[seq]), len(toks)
+            self._decode_flat(rows, [(0, tok, base + i, i >= n - k) for i, tok in enumerate(toks)], outs, filled)
+            return outs
         # the flat list of positions: (row index, token, position in its sequence, wants logits), in order of
         # sequence id. With one KV stream per sequence llama.cpp splits a batch with split_equal(sequential):
         # a ubatch takes sequences only while each id is the previous one + 1, so 4 single rows posted in the
@@ -249,6 +310,7 @@ class LlamaCppBackend:
                 b.seq_id[i][0] = rows[r][0] if r >= 0 else -1 - r
                 b.logits[i] = want
             b.n_tokens = len(chunk)
+            handoff.flush()                     # tokens handed to other threads: their Python runs beside this
             rc = L.llama_decode(self._ctx, b)
             if rc != 0:
                 for seq, _, _ in rows:          # drop what the failed batch left
@@ -262,7 +324,7 @@ class LlamaCppBackend:
                 n_out += want
             if n_out:
                 # logits of the requested positions, in batch order: [n_out, n_vocab]
-                got = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+                got = self._logits(L, n_out)
                 if len(rows) == 1:              # one sequence: its rows in one copy
                     outs[0][filled[0]:filled[0] + n_out] = got
                     filled[0] += n_out
@@ -273,6 +335,21 @@ class LlamaCppBackend:
                         outs[r][filled[r]] = got[j]
                         filled[r] += 1
                         j += 1
+
+    def _logits(self, L, n_out: int) -> np.ndarray:
+        """The last decode's n_out rows of logits, a view of llama.cpp's output buffer (valid until the next
+        decode). Views are kept per (buffer address, rows): np.ctypeslib.as_array builds a ctypes array type
+        per call, ~60 µs a token between two evaluations of a 135M model (docs/batching.md)."""
+        addr = ctypes.cast(L.llama_get_logits(self._ctx), ctypes.c_void_p).value
+        view = self._logits_views.get((addr, n_out))
+        if view is None:
+            if not addr:
+                raise BackendError("llama.cpp returned no logits for the batch")
+            if len(self._logits_views) > 64:        # the buffer moved or many row counts: start over
+                self._logits_views.clear()
+            buf = (ctypes.c_float * (n_out * self.n_vocab)).from_address(addr)
+            view = self._logits_views[(addr, n_out)] = np.frombuffer(buf, dtype=np.float32).reshape(n_out, self.n_vocab)
+        return view
 
     def save_seq(self, seq: int) -> "SeqState":
         """A copy of sequence `seq`'s KV cache and tokens (llama_state_seq_get_data), to restore later into
