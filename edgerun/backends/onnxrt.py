@@ -29,7 +29,7 @@ from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument, ModelFormatError
 from ..onnx.layout import LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value, read_config
 from ..tokenizer import Tokenizer
-from ..util import hugepages
+from ..util import handoff, hugepages
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,7 @@ class OnnxBackend:
             io.bind_input(LOGITS_TO_KEEP, "cpu", 0, i64, (1,), self._keep_ptr)
         io.bind_input("attention_mask", "cpu", 0, i64, (1, self.n_past + n), self._mask_ptr)
         io.bind_output("logits", "cpu", 0, np.float32, (1, n_keep, self.n_vocab), logits.ctypes.data)
+        handoff.flush()                    # tokens handed to other threads: their Python runs beside this
         try:
             self._sess.run_with_iobinding(io)
         except Exception as e:             # onnxruntime's pybind exceptions have no common base

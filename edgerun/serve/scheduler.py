@@ -7,7 +7,8 @@ parallel N (continuous batching) it runs N slot threads, one per sequence of the
 it to the free slot that keeps the busy sequence ids packed, copying in the cache of a free slot that holds
 a longer prefix of its prompt), and the slots' decode steps are
 evaluated together (edgerun/backends/batch.py). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
-back to the asyncio event loop that submitted it. A job stops early when it is cancelled (client
+back to the asyncio event loop that submitted it (a step as the engine next enters native code:
+util/handoff.py). A job stops early when it is cancelled (client
 gone), when its deadline passes, or when the server drains for shutdown; stopping closes the
 Runtime's stream, whose `finally` rolls the KV caches back to the committed tokens.
 """
@@ -21,11 +22,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Sequence
 
 from ..backends.base import common_prefix
 from ..errors import EdgerunError, InvalidArgument
 from ..generate import GenStats
+from ..util import handoff
 from .promptcache import MIN_GAIN
 
 log = logging.getLogger(__name__)
@@ -115,6 +118,16 @@ class Job:
         self.deadline = min(self.deadline, deadline)
 
     def _emit(self, kind: str, payload: Any) -> None:
+        """Hand an event to the job's event loop. A step goes when the engine next enters native code
+        (util/handoff.py: the event loop's Python per token then runs beside the evaluation, not between
+        two); the end goes at once, after every step deferred before it."""
+        if kind == "step":
+            handoff.defer(partial(self._post, kind, payload))
+            return
+        handoff.flush()
+        self._post(kind, payload)
+
+    def _post(self, kind: str, payload: Any) -> None:
         try:
             self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
         except RuntimeError:          # the event loop is closed: nobody is listening any more

@@ -1,0 +1,104 @@
+"""What runs between two evaluations: deferred hand-offs (util/handoff.py), the engine thread's calls
+(llamacpp.on_engine) and the logits a backend returns (its own arrays, not llama.cpp's buffer)."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from edgerun.backends import llamacpp
+from edgerun.backends.llamacpp import LlamaCppBackend, on_engine
+from edgerun.config import BackendArgs
+from edgerun.util import handoff
+
+
+@pytest.fixture(autouse=True)
+def _empty():
+    handoff.flush()
+    yield
+    handoff.flush()
+
+
+def test_deferred_calls_run_in_order_at_flush_and_a_failing_one_spares_the_rest(caplog):
+    seen = []
+    handoff.defer(lambda: seen.append(1))
+    handoff.defer(lambda: 1 / 0)
+    handoff.defer(lambda: seen.append(2))
+    assert seen == [] and handoff.pending() == 3
+    handoff.flush()
+    assert seen == [1, 2] and handoff.pending() == 0
+    assert "a deferred hand-off failed" in caplog.text
+    handoff.flush()                                   # nothing left: nothing runs twice
+    assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_an_evaluation_delivers_what_waits_right_before_its_decode(tiny_llama, n_seq):
+    """A deferred call runs as the next llama_decode begins (before the tokens are in the cache), on the
+    thread that evaluates (the engine thread for a multi-sequence context)."""
+    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1, n_seq=n_seq))
+    try:
+        be.eval([1, 2, 3], 1)
+        seen = []
+        handoff.defer(lambda: seen.append((be.n_past, threading.current_thread().name)))
+        be.eval([4], 1)
+        assert len(seen) == 1 and seen[0][0] == 3          # ran before the decode appended token 4
+        assert be.n_past == 4 and handoff.pending() == 0
+        expected = "edgerun-engine" if n_seq > 1 else threading.current_thread().name
+        assert seen[0][1] == expected
+    finally:
+        be.close()
+
+
+def test_logits_are_the_callers_own_arrays(tiny_llama):
+    """Each eval returns fresh arrays: a later decode (which reuses llama.cpp's output buffer, read through
+    a cached view) leaves earlier results as they were."""
+    be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=64, n_threads=1))
+    try:
+        a = be.eval([1, 2, 3], 1)
+        kept = a.copy()
+        b = be.eval([7], 1)
+        c = be.eval([9, 10], 2)
+        np.testing.assert_array_equal(a, kept)
+        assert not np.shares_memory(a, b) and not np.shares_memory(b, c)
+        assert not np.array_equal(a[0], b[0])
+        be.truncate(3)
+        np.testing.assert_array_equal(be.eval([7], 1), b)     # the same position again: the same logits
+    finally:
+        be.close()
+
+
+def test_engine_runs_calls_on_one_thread_and_returns_results_and_errors():
+    names = {on_engine(lambda: threading.current_thread().name) for _ in range(3)}
+    assert names == {"edgerun-engine"}
+    assert on_engine(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ZeroDivisionError):
+        on_engine(lambda: 1 / 0)
+    assert on_engine(lambda: on_engine(lambda: "nested")) == "nested"   # from the engine itself: inline
+    # many callers at once: each gets its own result
+    out: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, on_engine(lambda: i * i)))
+               for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert out == {i: i * i for i in range(16)}
+    assert llamacpp._engine.thread.is_alive()
+
+
+def test_a_jobs_steps_reach_its_event_loop_in_order_before_its_end():
+    """The scheduler defers each step's hand-off to the next evaluation; the end goes at once, after them."""
+    from edgerun.serve.scheduler import Job
+
+    async def main():
+        job = Job(prompt="x")
+        worker = threading.Thread(target=lambda: ([job._emit("step", i) for i in range(5)], job._emit("end", "done")))
+        worker.start()
+        await asyncio.to_thread(worker.join)
+        got = [await asyncio.wait_for(job.events.get(), 5) for _ in range(6)]
+        return got
+
+    got = asyncio.run(main())
+    assert got == [("step", i) for i in range(5)] + [("end", "done")]
