@@ -227,6 +227,12 @@ def generate(
                 return "length"
         return None
 
+    # plain decoding on a backend that can evaluate in the background (a lone sequence of a batching group):
+    # the next token's evaluation starts before this one's Steps are yielded, so what the consumer does with
+    # a token (the server's hand-off, stop checks) runs beside the evaluation instead of before it
+    begin_eval = getattr(target, "begin_eval", None) if drafter is None else None
+    ahead = None                                # the waiter of an evaluation of [pending] begun ahead
+
     try:
         # prefill: reuse the cached prefix (multi-turn chat), evaluate the rest without logits
         keep = common_prefix(target.tokens, committed[:-1])
@@ -257,7 +263,10 @@ def generate(
                 raise BackendError(f"drafter {drafter.name} did not advance the constraint over its "
                                    f"{gamma} drafted tokens")
             t1 = time.perf_counter()
-            logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
+            if ahead is not None:
+                logits, ahead = ahead(), None
+            else:
+                logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
             if constraint is not None:         # position i: the grammar state after committed + draft[:i]
                 logits = [apply_mask(logits[i], constraint.mask_at(base + i)) for i in range(gamma + 1)]
 
@@ -284,6 +293,10 @@ def generate(
                 constraint.rollback(gamma - n_acc)
                 if not is_eog(nxt):
                     constraint.consume(nxt)
+            if (begin_eval is not None and gamma == 0 and not is_eog(nxt) and len(committed) + 1 < limit
+                    and len(committed) + 1 <= target.n_ctx):
+                # the next cycle evaluates [nxt] unless a stop string ends it (then the finally rolls it back)
+                ahead = begin_eval([nxt])
             policy.observe(gamma, n_acc, t1 - t0, t2 - t1)
             stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
             finish = yield from commit([*draft[:n_acc], nxt], n_acc, gamma, t1 - t0, t2 - t1)
@@ -291,6 +304,11 @@ def generate(
         if finish != "stop":
             yield from releaser.flush()
     finally:
+        if ahead is not None:                   # begun for a cycle that did not come: let it end first
+            try:
+                ahead()
+            except Exception:                   # its failure no longer matters; the rollback below does
+                pass
         # rollback: the target cache holds exactly the committed tokens minus pending, the constraint
         # exactly the committed generated tokens
         target.truncate(min(target.n_past, len(committed) - 1))

@@ -505,3 +505,42 @@ def test_the_backend_learns_whether_to_fill(tiny_llama, monkeypatch):
         assert be.seq_tokens(1) == [2, 3] and be.seq_tokens(2) == [3, 4]
     finally:
         be.close()
+
+
+def test_a_lone_sequence_evaluates_ahead_and_rolls_back_what_it_began(tiny_llama, monkeypatch):
+    """Plain decoding alone in a group starts each next evaluation before it yields the token (generate.py,
+    BatchGroup.begin): the text is the one-sequence backend's, and whatever ends the generation (a stop
+    string, the consumer leaving, max_tokens, the context's end) leaves the cache holding exactly the committed
+    tokens minus the pending one, the evaluation begun ahead rolled back."""
+    from edgerun.backends import batch as batch_mod
+
+    began = []
+    orig = batch_mod.BatchGroup.begin
+    monkeypatch.setattr(batch_mod.BatchGroup, "begin", lambda self, *a: began.append(1) or orig(self, *a))
+    with _load(tiny_llama, 2) as rt:
+        kw = dict(max_tokens=30, temperature=0)
+        alone = rt.generate(PROMPTS[0], **kw).text
+        slot = rt.slots()[0]
+        n_prompt = len(slot.tokenize(PROMPTS[0]))
+
+        res = slot.generate(PROMPTS[0], **kw)
+        assert res.text == alone and res.stats.n_tokens >= 10 and len(began) >= res.stats.n_tokens - 1
+        assert len(slot.target.tokens) == n_prompt + res.stats.n_tokens - (res.stats.finish_reason != "eos")
+
+        stop = alone[len(alone) // 2:len(alone) // 2 + 3]
+        res = slot.generate(PROMPTS[0], stop=[stop], **kw)
+        assert res.text == alone[:alone.index(stop)] and res.stats.finish_reason == "stop"
+        assert len(slot.target.tokens) == n_prompt + res.stats.n_tokens - 1
+
+        stream = slot.stream_tokens(slot.tokenize(PROMPTS[0]), **kw)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break                           # the consumer leaves while the next evaluation runs
+        stream.close()
+        assert len(slot.target.tokens) == n_prompt + 6 - 1
+
+        long = slot.target.tokenizer.tokenize("one two three four " * 200)[:slot.target.n_ctx - 4]
+        steps = list(slot.stream_tokens(long, max_tokens=50, temperature=0))     # to the context's end
+        st = slot.last_stats
+        assert st.finish_reason == "length" and len(steps) == st.n_tokens == 5
+        assert len(slot.target.tokens) == len(long) + st.n_tokens - 1 == slot.target.n_ctx

@@ -26,6 +26,7 @@ import numpy as np
 
 from .base import check_eval
 from ..util import handoff
+from .llamacpp import on_engine_later
 
 
 YIELD_GRACE_S = 0.005     # how long a batch waits for a member whose consumer holds its last Step
@@ -184,13 +185,27 @@ class BatchGroup:
                 self._cond.notify_all()          # the others all wait for an eval: one of them runs it
 
     # -- called by SeqBackend ------------------------------------------------------------------
-    def eval(self, view: "SeqBackend", tokens: list[int], k: int) -> np.ndarray:
+    def _claim_alone(self) -> bool:
+        """Whether the calling member is the only one, with nothing else waiting for a step (no admission, no
+        move, no evaluation in progress); if so it holds the engine (_executing) from now on."""
         with self._cond:
             alone = (self._active == 1 and self._running == 1 and not self._executing and not self._yielded
                      and not self._admitting and not self._moves)
             if alone:
                 self._executing = True
-        if alone:
+            return alone
+
+    def begin(self, view: "SeqBackend", tokens: list[int], k: int):
+        """Start evaluating the calling member's rows on the engine thread and return at once, when it is the
+        only member (see _claim_alone): the returned function waits for the logits. None otherwise (then
+        eval() as usual). The member stays counted as running meanwhile: one that joins waits for this
+        evaluation and then for the member's next rows, as after any evaluation."""
+        if not self._claim_alone():
+            return None
+        return on_engine_later(self._eval_alone, view, tokens, k)
+
+    def eval(self, view: "SeqBackend", tokens: list[int], k: int) -> np.ndarray:
+        if self._claim_alone():
             return self._eval_alone(view, tokens, k)
         req = _Request(view, tokens, k)
         with self._cond:
@@ -308,6 +323,15 @@ class SeqBackend:
         if not toks:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         return self.group.eval(self, toks, k)
+
+    def begin_eval(self, tokens: Sequence[int], n_logits: int | None = None):
+        """eval() started in the background where it can be (this sequence's member is alone in its group):
+        returns a function that waits for the logits, or None (then call eval). The decode loop hands over
+        a token's text while its next evaluation runs (generate.py)."""
+        toks, k = check_eval(self, tokens, n_logits)
+        if not toks:
+            return None
+        return self.group.begin(self, toks, k)
 
     def truncate(self, n: int) -> None:
         self.group.truncate(self, n)

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -47,13 +47,38 @@ class SeqState:
 
 
 class _Call:
-    __slots__ = ("fn", "args", "result", "error", "done")
+    __slots__ = ("fn", "args", "result", "error", "done", "waited", "after")
 
-    def __init__(self, fn, args) -> None:
+    def __init__(self, fn, args, after=None) -> None:
         self.fn, self.args = fn, args
         self.result = self.error = None
         self.done = threading.Lock()
         self.done.acquire()                  # released by the engine once fn has run
+        self.waited = False
+        self.after = after                   # called once fn has run (on_engine_later's gate)
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:         # handed to the caller, raised there
+            self.error = exc
+        self.done.release()
+        if self.after is not None:
+            self.after()
+
+    def wait(self):
+        """fn's result (or its exception, raised here) once it has run; the same again on later calls."""
+        if not self.waited:
+            try:
+                self.done.acquire()
+            except BaseException:            # interrupted (Ctrl-C): the evaluation goes on; wait for it first
+                self.done.acquire()
+                self.waited = True
+                raise
+            self.waited = True
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class _Engine:
@@ -77,12 +102,7 @@ class _Engine:
         while not self._stopping:
             self._wake.acquire()
             while self._calls:
-                call = self._calls.popleft()
-                try:
-                    call.result = call.fn(*call.args)
-                except BaseException as exc:         # handed to the caller, raised there
-                    call.error = exc
-                call.done.release()
+                self._calls.popleft().run()
 
     def _signal(self) -> None:
         try:
@@ -90,20 +110,14 @@ class _Engine:
         except RuntimeError:                 # already released: the engine looks at the queue before it sleeps
             pass
 
-    def run(self, fn, args):
+    def submit(self, fn, args, after=None) -> _Call:
+        call = _Call(fn, args, after)
         if self._stopping:                   # the interpreter is exiting: no engine any more
-            return fn(*args)
-        call = _Call(fn, args)
+            call.run()
+            return call
         self._calls.append(call)
         self._signal()
-        try:
-            call.done.acquire()
-        except BaseException:                # interrupted (Ctrl-C): the evaluation goes on; wait for it first
-            call.done.acquire()
-            raise
-        if call.error is not None:
-            raise call.error
-        return call.result
+        return call
 
     def stop(self) -> None:
         self._stopping = True
@@ -128,14 +142,44 @@ def on_engine(fn, *args):
     decode loop, the start-up cost probe, an API user's thread), a context of several sequences is evaluated
     here. An interrupted caller waits for the evaluation in progress before the exception goes on (the
     context is not freed under llama.cpp)."""
-    global _engine
     if threading.get_ident() == _engine_ident:
         return fn(*args)
+    return _engine_submit(fn, args).wait()
+
+
+def on_engine_later(fn, *args) -> Callable[[], object]:
+    """Start fn(*args) (an evaluation) on the engine thread; return once it is inside native code (the next
+    llama_decode has begun: util/handoff.py's next flush) or has ended, whichever comes first. Calling the
+    returned function waits for fn and returns its result (or raises its exception). The caller's Python
+    after this runs beside the evaluation: returning at once instead, the caller would hold the GIL while
+    the engine thread waits for it to set the evaluation up (~40 µs a token, docs/batching.md). On the
+    engine thread itself fn runs now."""
+    if threading.get_ident() == _engine_ident:
+        call = _Call(fn, args)
+        call.run()
+        return call.wait
+    gate = threading.Lock()
+    gate.acquire()
+
+    def open_gate() -> None:
+        try:
+            gate.release()
+        except RuntimeError:                 # opened already (by the decode, then by the end)
+            pass
+
+    handoff.defer(open_gate)
+    call = _engine_submit(fn, args, open_gate)
+    gate.acquire()
+    return call.wait
+
+
+def _engine_submit(fn, args, after=None) -> _Call:
+    global _engine
     if _engine is None:
         with _engine_lock:
             if _engine is None:
                 _engine = _Engine()
-    return _engine.run(fn, args)
+    return _engine.submit(fn, args, after)
 
 
 def default_threads() -> int:
@@ -311,7 +355,11 @@ class LlamaCppBackend:
                 b.logits[i] = want
             b.n_tokens = len(chunk)
             handoff.flush()                     # tokens handed to other threads: their Python runs beside this
-            rc = L.llama_decode(self._ctx, b)
+            handoff.native(True)
+            try:
+                rc = L.llama_decode(self._ctx, b)
+            finally:
+                handoff.native(False)
             if rc != 0:
                 for seq, _, _ in rows:          # drop what the failed batch left
                     L.llama_memory_seq_rm(self._mem, seq, len(self._seqs[seq]), -1)

@@ -242,10 +242,13 @@ class OnnxBackend:
         io.bind_input("attention_mask", "cpu", 0, i64, (1, self.n_past + n), self._mask_ptr)
         io.bind_output("logits", "cpu", 0, np.float32, (1, n_keep, self.n_vocab), logits.ctypes.data)
         handoff.flush()                    # tokens handed to other threads: their Python runs beside this
+        handoff.native(True)
         try:
             self._sess.run_with_iobinding(io)
         except Exception as e:             # onnxruntime's pybind exceptions have no common base
             raise BackendError(f"onnxruntime failed at position {self.n_past}: {_first_line(e)}") from e
+        finally:
+            handoff.native(False)
         self.tokens.extend(chunk)
 
     def truncate(self, n: int) -> None:
