@@ -5,6 +5,9 @@ Each cycle:  draft gamma tokens -> ONE target eval of [pending] + draft (gamma +
 `pending` is the last committed token, not yet in the target's KV cache; the target cache
 always holds `committed[:-1]` between cycles, and the `finally` restores that invariant
 (rollback) whatever happens: an exception, a stop string, or a consumer that closes the stream.
+(A backend with `begin_eval`, a lone sequence of a batching group, may already be evaluating
+`pending` while a plain cycle's Steps are yielded: the next cycle takes that result; the `finally`
+waits for it before it rolls back.)
 
 With a constraint (a grammar), every verified position's logits are masked with the grammar state
 after the tokens before it, for the drafter (while drafting, which advances the constraint over the

@@ -38,6 +38,10 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
+    # Optional: begin_eval(tokens, n_logits=None) -> a function waiting for eval()'s logits, or None where
+    # the backend cannot evaluate in the background now (then eval). The decode loop uses it for plain
+    # decoding (backends/batch.py's SeqBackend: a lone sequence of a batching group).
+
 
 @runtime_checkable
 class MultiSequenceBackend(Backend, Protocol):
