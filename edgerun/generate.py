@@ -201,6 +201,7 @@ def generate(
     policy = policy if (policy is not None and drafter is not None) else FixedGamma(0)
     if isinstance(policy, FixedGamma) and policy.gamma == 0:
         drafter = None                          # plain decoding: the drafter is not even asked for a hint
+    plain_cycle = getattr(policy, "plain_cycle", None)   # optional (GammaPolicy): a cycle known to run plain
     is_eog = is_eog or target.tokenizer.is_eog
     penalise = penalised(sampling)
     releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
@@ -255,7 +256,7 @@ def generate(
                 finish = "length"                      # context full (documented policy: stop, no sliding)
                 break
             gamma = 0
-            if drafter is not None:
+            if drafter is not None and not (plain_cycle is not None and plain_cycle(drafter.lag(committed))):
                 hint = drafter.hint(committed, last)
                 gamma = min(policy.choose(hint, drafter.lag(committed)), limit - len(committed) - 1, room)
             t0 = time.perf_counter()

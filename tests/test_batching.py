@@ -65,15 +65,22 @@ def _texts_alone_and_batched(rt, prompts, **kw):
     return alone, batched, slots[0].group
 
 
-@pytest.mark.parametrize("draft,gamma", [(None, 0), ("lookup", 2), ("self", 3)])
-def test_greedy_batched_equals_alone(tiny_llama, draft, gamma):
+@pytest.mark.parametrize("draft,gamma", [(None, 0), ("lookup", 2), ("self", 3), ("self", "auto")])
+def test_greedy_batched_equals_alone(tiny_llama, draft, gamma, monkeypatch):
     """Four concurrent greedy generations (plain, prompt lookup, a model drafter on its own batched
-    context) each give the text they give alone; they really shared batches."""
+    context; a fixed gamma, or the tuner under BatchedGamma) each give the text they give alone; they
+    really shared batches."""
+    from edgerun.spec.gamma import BatchedGamma
+
+    plain = []
+    real = BatchedGamma.plain_cycle
+    monkeypatch.setattr(BatchedGamma, "plain_cycle", lambda self, lag=0: plain.append(real(self, lag)) or plain[-1])
     rt = _load(tiny_llama, 4, draft=str(tiny_llama) if draft == "self" else draft, gamma=gamma)
     with rt:
         alone, batched, group = _texts_alone_and_batched(rt, PROMPTS, max_tokens=24, temperature=0)
         assert batched == alone
         assert group.n_rows > group.n_steps          # some batch held rows of more than one position
+        assert bool(plain) == (gamma == "auto")      # the tuner is asked through BatchedGamma
 
 
 def test_every_evaluation_of_a_multi_sequence_context_runs_on_the_engine_thread(tiny_llama):
@@ -388,6 +395,82 @@ def test_cycles_lowered_by_the_batch_teach_the_tuner_nothing_about_the_drafter()
     assert policy.choose(0) == 4                            # alone again: speculation at once
     with pytest.raises(InvalidArgument):
         tuner.lower(5)
+
+def test_a_batch_in_which_no_draft_can_pay_runs_plain_without_asking_the_tuner():
+    """plain_cycle() says 0 ahead of the drafter's hint exactly where choose() would (a tuner copy asked the
+    same), never where a draft could still pay, and leaves what the tuner learned and owes as it was."""
+    import copy
+
+    from edgerun.device.cost import CostCurve
+    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+
+    flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)
+    knee = CostCurve(t_verify=tuple(0.010 * max(1, n - 4) for n in range(1, 41)), t_draft=0.001)
+    cpu = CostCurve(t_verify=tuple(0.040 * (1 + 0.75 * (n - 1)) for n in range(1, 41)), t_draft=0.0145)
+    seen = {True: 0, False: 0}
+    for curve in (flat, knee, cpu):
+        tuner = GammaTuner(curve, gamma_max=4)
+        for _ in range(50):                                 # a drafter that is always right
+            tuner.observe(4, 4, 0.004, curve.verify(5))
+        for m in range(1, 9):
+            active = [m]
+            twin = copy.deepcopy(tuner)
+            owed = tuner._since_explore.copy()
+            plain = BatchedGamma(tuner, lambda: active[0]).plain_cycle(0)
+            chosen = BatchedGamma(twin, lambda: active[0]).choose(0)
+            seen[plain] += 1
+            if plain:
+                assert chosen == 0, (curve, m)
+                np.testing.assert_array_equal(tuner._since_explore, owed)    # no exploration moved
+            if m == 1 or (curve is flat and m == 2) or (curve is knee and m == 8):
+                assert not plain and chosen > 0, (curve, m)   # a draft pays there (test above)
+            tuner.observe(0, 0, 0.0, curve.verify(1))
+    assert seen[True] > 10 and seen[False] > 3
+    # the cycle taken that way teaches the tuner nothing about the drafter
+    tuner = GammaTuner(flat, gamma_max=4)
+    for _ in range(50):
+        tuner.observe(4, 4, 0.004, flat.verify(5))
+    supply0, acc0 = tuner.supply(0).copy(), tuner.acceptance(0).copy()
+    policy = BatchedGamma(tuner, lambda: 3)
+    for _ in range(300):
+        assert policy.plain_cycle(0)
+        policy.observe(0, 0, 0.0, flat.verify(3))
+    assert policy.n_lowered == 300
+    np.testing.assert_array_equal(tuner.supply(0), supply0)
+    np.testing.assert_array_equal(tuner.acceptance(0), acc0)
+    assert BatchedGamma(tuner, lambda: 1).choose(0) == 4    # alone again: speculation at once
+
+
+def test_batch_times_do_not_bend_the_tuners_cost_model():
+    """A batch's time is not a sequence's cost: other sequences' prompts join batches (hundreds of rows), and
+    a batch time rescaled by the curve's T(1) / T(m) read a load far above the machine's; alternating with
+    cycles alone, the fast load factor and the slow shape(1) drifted apart (a live tuner after a 4-client bench:
+    load 2.37, shape(1) 0.44, and T(2) / T(1) 4.8 where the probe measured 1.8, from a shape(2) learned when
+    the load was lower). Times seen in a batch of several sequences are not learned: stretches of 4, 1 and 2
+    clients, the machine 10% slower than the probe and prompts joining every 25th step, leave the model at the
+    machine's own T(n)."""
+    from edgerun.device.cost import CostCurve
+    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+
+    curve = CostCurve(t_verify=(0.0405, 0.0713, 0.1008, 0.1014, 0.1314, 0.1589, 0.1910, 0.2019, 0.2209),
+                      t_draft=0.0145)                      # the Qwen @spec pair's probe on the 2-core Zen 3
+    tuner = GammaTuner(curve, gamma_max=8, n_classes=4)
+    active = [4]
+    policy = BatchedGamma(tuner, lambda: active[0])
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        for m in (4, 1, 2):
+            active[0] = m
+            for i in range(100):
+                g = 0 if policy.plain_cycle(0) else policy.choose(i % 4)
+                step = {1: 1.1 * curve.verify(g + 1), 2: 0.09, 4: 0.17}[m] * (1 + 0.1 * rng.standard_normal())
+                if m > 1 and i % 25 == 0:
+                    step *= 4                      # a prompt joined this batch
+                policy.observe(g, 0, 0.0145 * g, step)
+    assert 0.9 < tuner._load < 1.3 and 0.8 < tuner._shape[1] < 1.25
+    for n in (1, 2, 4):
+        assert tuner.t_verify(n) == pytest.approx(1.1 * curve.verify(n), rel=0.15), n
+
 
 @pytest.fixture
 def four_seqs(tiny_llama):

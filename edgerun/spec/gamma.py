@@ -71,6 +71,10 @@ class GammaPolicy(Protocol):
         """The cycle's outcome: gamma tokens drafted, n_accepted of them accepted, and its times."""
         ...
 
+    # optional: plain_cycle(lag) -> bool, asked before the drafter's hint. True: the next cycle runs plain
+    # whatever the drafter offers (BatchedGamma: a batch in which no draft can pay), the policy has taken
+    # note, and neither the hint nor choose() is needed; observe() follows as usual.
+
 
 class FixedGamma:
     """Always draft `gamma` tokens (0 = plain decoding)."""
@@ -276,7 +280,10 @@ class GammaTuner:
 
     def _tv_at(self, n: np.ndarray) -> np.ndarray:
         curve = self._curve                                                 # curve [G + 2]: T(n) prior, index n
-        pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])   # pred [len(n)]
+        if n.max() < len(curve):
+            pred = curve[n]                                                 # pred [len(n)]
+        else:
+            pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])
         seen = np.flatnonzero(self._shape_n > 0)
         shape = np.interp(n, seen, self._shape[seen]) if seen.size else np.ones(len(n))
         return pred * self._load * shape
@@ -386,6 +393,15 @@ class GammaTuner:
         self._lowered = False
         return g
 
+    def pass_cycle(self, lag: int = 0) -> None:
+        """The next cycle runs plain for a reason of the caller's, decided without choose() (BatchedGamma: no
+        draft can pay in the current batch): as a cycle lowered to 0, it is no observation of any class and
+        moves no exploration or warm-up; its verify time counts."""
+        self._lag = lag
+        self._last = 0
+        self._exploring = False
+        self._lowered = True
+
     def lower(self, g: int) -> None:
         """The cycle just chosen runs with g < choose()'s gamma for a reason of the caller's (BatchedGamma:
         the shared batch makes the drafts dear), not the drafter's: the drafter is asked for g only, so its
@@ -402,8 +418,10 @@ class GammaTuner:
                 self._since_explore[self._hint] = 10 ** 9    # the exploration is still owed: at the next cycle that may draft
             self._exploring = False
 
-    def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
-        """gamma: tokens actually drafted (<= what choose() asked); n_accepted of them accepted."""
+    def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float, *, times: bool = True) -> None:
+        """gamma: tokens actually drafted (<= what choose() asked); n_accepted of them accepted. times=False:
+        the cycle's times are not what the model prices (a batch shared with other sequences, BatchedGamma):
+        the counts are learned, the times are not."""
         if not 0 <= n_accepted <= gamma:
             raise InvalidArgument(f"n_accepted must be in 0..gamma ({gamma}), got {n_accepted}")
         c = self._hint
@@ -435,6 +453,8 @@ class GammaTuner:
                     self._seen[c, na] += 1
         self._exploring = False
         self._lowered = False
+        if not times:
+            return
         # times
         n = m + 1
         # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
@@ -541,14 +561,34 @@ class BatchedGamma:
     T(m) + T(gamma) + gamma x t_draft (T(0) = 0), from the measured cost curve of a batch of rows T(rows)
     and the tuner's acceptance and supply model. The tuner's gamma is lowered to the one that maximises
     that step's rate, down to 0 (speculation off) where the extra pass costs more than its tokens bring.
-    The tuner learns from what it observes, its verify time rescaled from the batch it shared to the
-    gamma + 1 rows it models."""
+    The tuner learns acceptance from every cycle and times only from the cycles run alone (a batch's
+    time is several sequences', prompts included)."""
 
     def __init__(self, tuner: GammaTuner, n_active: Callable[[], int]) -> None:
         self.tuner = tuner
         self.n_active = n_active
-        self.n_lowered = 0            # cycles whose gamma was lowered because of the batch
+        self.n_lowered = 0            # cycles whose gamma was lowered because of the batch (plain_cycle's too)
         self._m = 1                   # sequences active when the current cycle's gamma was chosen
+
+    def plain_cycle(self, lag: int = 0) -> bool:
+        """True when, with the sequences active now, no draft could pay even if every one were supplied and
+        accepted: max over k of (m + k) / (T(m) + T(k) + k t_draft) <= m / T(m), the rates choose() compares
+        at their best. The cycle then runs plain (what choose() would return) and the tuner is not asked: its
+        choice, the drafter's hint over the target's logits and the lowering cost ~0.2-0.4 ms a sequence per
+        step in Python between two evaluations, for a 0 known in advance (docs/batching.md). The tuner takes
+        the cycle as one lowered to 0 (pass_cycle)."""
+        m = max(1, self.n_active())
+        if m == 1:
+            return False
+        t = self.tuner
+        k = np.arange(1, t.gamma_max + 1)
+        tm = t.t_verify(m)
+        if ((m + k) / (tm + t._tv_table()[:-1] + k * t.t_draft())).max() > m / tm:
+            return False
+        self._m = m
+        self.n_lowered += 1
+        t.pass_cycle(lag)
+        return True
 
     def choose(self, hint: int | None = 0, lag: int = 0) -> int:
         g = self.tuner.choose(hint, lag)
@@ -572,9 +612,8 @@ class BatchedGamma:
         return t.t_verify(m) + (t.t_verify(k) if k > 0 else 0.0)
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
-        m = self._m
-        if m > 1:                     # the batch's time, as the tuner's own gamma + 1 rows would take
-            curve = self.tuner.cost
-            both = curve.verify(m) + (curve.verify(gamma) if gamma > 0 else 0.0)
-            t_verify *= curve.verify(gamma + 1) / both
-        self.tuner.observe(gamma, n_accepted, t_draft, t_verify)
+        # a batch's time is not this sequence's cost: other sequences' prompts join batches (hundreds of rows),
+        # and rescaling it by the curve's T(gamma + 1) / (T(m) + T(gamma)) taught the tuner a load several times
+        # the machine's, which the cycles alone then folded into shape(1) while T(n >= 2) stayed inflated
+        # (docs/batching.md); the times are learned from cycles alone, the acceptance from every cycle
+        self.tuner.observe(gamma, n_accepted, t_draft, t_verify, times=self._m == 1)

@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 # 2: states learned before GammaTuner.lower() may hold a drafter supply driven to ~0 by busy batches
 # (speculation off for good); they are not restored
-FORMAT = 2
+# 3: states learned while batch times fed the time model may hold a load and shape(1) drifted apart, T(n >= 2)
+# inflated several times (BatchedGamma.observe); they are not restored either
+FORMAT = 3
 
 
 def regime(sampling: SamplingArgs) -> str:
