@@ -256,9 +256,9 @@ def generate(
                 finish = "length"                      # context full (documented policy: stop, no sliding)
                 break
             gamma = 0
-            if drafter is not None and not (plain_cycle is not None and plain_cycle(drafter.lag(committed))):
-                hint = drafter.hint(committed, last)
-                gamma = min(policy.choose(hint, drafter.lag(committed)), limit - len(committed) - 1, room)
+            lag = drafter.lag(committed) if drafter is not None else 0
+            if drafter is not None and not (plain_cycle is not None and plain_cycle(lag)):
+                gamma = min(policy.choose(drafter.hint(committed, last), lag), limit - len(committed) - 1, room)
             t0 = time.perf_counter()
             base = len(committed) - stats.n_prompt_tokens      # generated tokens: what the constraint holds
             draft, q = drafter.propose(committed, gamma, sampling, rng, constraint) if gamma > 0 else ([], None)

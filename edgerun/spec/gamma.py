@@ -580,14 +580,12 @@ class BatchedGamma:
         m = max(1, self.n_active())
         if m == 1:
             return False
-        t = self.tuner
-        k = np.arange(1, t.gamma_max + 1)
-        tm = t.t_verify(m)
-        if ((m + k) / (tm + t._tv_table()[:-1] + k * t.t_draft())).max() > m / tm:
+        cost = self.step_costs(m, self.tuner.gamma_max)
+        if ((m + np.arange(1, len(cost))) / cost[1:]).max() > m / cost[0]:
             return False
         self._m = m
         self.n_lowered += 1
-        t.pass_cycle(lag)
+        self.tuner.pass_cycle(lag)
         return True
 
     def choose(self, hint: int | None = 0, lag: int = 0) -> int:
@@ -599,17 +597,19 @@ class BatchedGamma:
         c = min(hint or 0, t.n_classes - 1)
         A = np.cumprod(t.supply(c) * t.acceptance(c))[:g]                     # A [g]: drafts 1..k all kept
         tokens = (m - 1) + 1.0 + np.concatenate([[0.0], np.cumsum(A)])         # tokens [g + 1], index gamma
-        cost = np.array([self.batch_cost(m, k) + k * t.t_draft() for k in range(g + 1)])   # cost [g + 1]
+        cost = self.step_costs(m, g)                                            # cost [g + 1]
         best = int(np.argmax(tokens / cost))
         if best < g:
             self.n_lowered += 1
             self.tuner.lower(best)
         return best
 
-    def batch_cost(self, m: int, k: int) -> float:
-        """Verify time of a step of m sequences, this one with k drafted rows: T(m) + T(k), two passes."""
+    def step_costs(self, m: int, g: int) -> np.ndarray:
+        """Seconds of a step of m sequences in which this one drafts k = 0..g tokens (index k): its drafts,
+        then T(m) + T(k), two passes."""
         t = self.tuner
-        return t.t_verify(m) + (t.t_verify(k) if k > 0 else 0.0)
+        k = np.arange(g + 1)
+        return t.t_verify(m) + np.concatenate([[0.0], t._tv_table()[:g]]) + k * t.t_draft()
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
         # a batch's time is not this sequence's cost: other sequences' prompts join batches (hundreds of rows),
