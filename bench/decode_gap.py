@@ -24,12 +24,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Write a long story about a robot who learns to paint."
 
 
-def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeats: int) -> dict:
-    """One process: `repeats` generations on slot 0; the median gap and decode of each."""
+def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeats: int, clients: int = 1) -> dict:
+    """One process: `repeats` rounds of `clients` generations at once (slots 0..clients-1, a thread each);
+    per round the median gap and decode, and the round's tokens per second of wall time."""
     sys.path.insert(0, src)
     import threading
     import time
@@ -51,43 +54,56 @@ def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeat
 
     L = llama_lib.lib()
     raw = L.llama_decode
-    times = {"gaps": [], "decodes": [], "last": None}
+    times = {"gaps": [], "decodes": [], "last": None, "on": False}
 
     def timed(ctx, batch):
         t = time.perf_counter()
-        if times["last"] is not None:
+        if times["last"] is not None and times["on"]:
             times["gaps"].append(t - times["last"])
         try:
             return raw(ctx, batch)
         finally:
             times["last"] = time.perf_counter()
-            times["decodes"].append(times["last"] - t)
+            if times["on"]:
+                times["decodes"].append(times["last"] - t)
 
     L.llama_decode = timed
     rt = edgerun.load(model, draft=None, n_ctx=1024, n_threads=threads, pull=False, parallel=parallel)
-    slot = rt.slots()[0]
+    slots = rt.slots()[:clients]
     prompt = rt.tokenize(PROMPT)
     loop = uvloop.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     got: list = []
     out = []
 
-    def run() -> None:
+    def run(slot, counts: list, lead: bool) -> None:
         slot.reset()
+        n = 0
         for i, step in enumerate(slot.stream_tokens(prompt, max_tokens=tokens, temperature=0)):
-            if i == 4:                         # past the prompt and the first steps
-                times["gaps"].clear()
-                times["decodes"].clear()
+            if i == 4 and lead:                # past the prompts and the first steps
+                times["on"] = True
+            if i == tokens - 8 and lead:       # before the first sequence ends (the batch stays full)
+                times["on"] = False
+            n += 1
             defer(lambda st=step: loop.call_soon_threadsafe(got.append, st))
         flush()
-        out.append({"gap_us": 1e6 * float(np.median(times["gaps"])),
-                    "decode_ms": 1e3 * float(np.median(times["decodes"])), "n": len(times["gaps"])})
-        times["last"] = None
+        counts.append(n)
 
     for _ in range(repeats):
-        th = threading.Thread(target=run)          # as a slot thread: not the thread that loaded
-        th.start()
-        th.join()
+        times["gaps"].clear()
+        times["decodes"].clear()
+        times["last"] = None
+        counts: list = []
+        ths = [threading.Thread(target=run, args=(s, counts, i == 0)) for i, s in enumerate(slots)]
+        t0 = time.perf_counter()
+        for th in ths:                             # as slot threads: not the thread that loaded
+            th.start()
+        for th in ths:
+            th.join()
+        wall = time.perf_counter() - t0
+        out.append({"gap_us": 1e6 * float(np.median(times["gaps"])),
+                    "decode_ms": 1e3 * float(np.median(times["decodes"])), "n": len(times["gaps"]),
+                    "tok_s": sum(counts) / wall})
     rt.close()
     return {"src": src, "runs": out}
 
@@ -100,13 +116,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="generations per process")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=1, help="slots generating at once (at most --parallel)")
     ap.add_argument("--src", action="append", default=None, help="an edgerun source tree (default: this one)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_gap.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child is not None:
-        print(json.dumps(child(a.child, a.model, a.tokens, a.threads, a.parallel, a.repeats)))
+        print(json.dumps(child(a.child, a.model, a.tokens, a.threads, a.parallel, a.repeats, a.clients)))
         return
+    if not 1 <= a.clients <= a.parallel:
+        print(f"error: --clients must be 1..--parallel ({a.parallel}), got {a.clients}", file=sys.stderr)
+        raise SystemExit(2)
     srcs = [str(Path(s).resolve()) for s in (a.src or [str(ROOT)])]
     for s in srcs:
         if not (Path(s) / "edgerun" / "__init__.py").is_file():
@@ -116,27 +136,35 @@ def main() -> None:
     for r in range(a.runs):
         for s in (srcs if r % 2 == 0 else srcs[::-1]):
             cmd = [sys.executable, __file__, "--child", s, "--model", a.model, "--tokens", str(a.tokens),
-                   "--threads", str(a.threads), "--parallel", str(a.parallel), "--repeats", str(a.repeats)]
+                   "--threads", str(a.threads), "--parallel", str(a.parallel), "--repeats", str(a.repeats),
+                   "--clients", str(a.clients)]
             p = subprocess.run(cmd, cwd=s, capture_output=True, text=True)
             if p.returncode != 0:
                 print(p.stderr[-2000:], file=sys.stderr)
                 raise SystemExit(f"the run of {s} failed")
             runs = json.loads(p.stdout.strip().splitlines()[-1])["runs"]
             results[s].extend(runs)
-            print(f"run {r + 1}/{a.runs} {s}: gaps " + " ".join(f"{x['gap_us']:.0f}" for x in runs) + " us",
-                  flush=True)
+            print(f"run {r + 1}/{a.runs} {s}: gaps " + " ".join(f"{x['gap_us']:.0f}" for x in runs) + " us, "
+                  + " ".join(f"{x['tok_s']:.1f}" for x in runs) + " tok/s", flush=True)
     summary = {s: {"gap_us_median": statistics.median(x["gap_us"] for x in v),
-                   "decode_ms_median": statistics.median(x["decode_ms"] for x in v), "runs": v}
+                   "decode_ms_median": statistics.median(x["decode_ms"] for x in v),
+                   "tok_s_median": statistics.median(x["tok_s"] for x in v), "runs": v}
                for s, v in results.items()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"args": vars(a), "results": summary}, indent=2))
-    print(f"\n{a.model}, {a.threads} threads, parallel {a.parallel}, {a.tokens} tokens, "
+    print(f"\n{a.model}, {a.threads} threads, parallel {a.parallel}, {a.clients} client(s) x {a.tokens} tokens, "
           f"{a.runs} processes x {a.repeats} generations per tree\n")
-    print("| source | median gap between decodes (us) | median decode (ms) | gap / decode |")
-    print("|---|---|---|---|")
+    print("| source | median gap between decodes (us) | median decode (ms) | gap / decode | tok/s (median) |")
+    print("|---|---|---|---|---|")
     for s, v in summary.items():
         print(f"| {s} | {v['gap_us_median']:.0f} | {v['decode_ms_median']:.2f} | "
-              f"{v['gap_us_median'] / 1e3 / v['decode_ms_median']:.1%} |")
+              f"{v['gap_us_median'] / 1e3 / v['decode_ms_median']:.1%} | {v['tok_s_median']:.1f} |")
+    if len(srcs) == 2:
+        # paired by round: the runs of the two trees alternate, so the i-th of each share the machine's drift
+        ratios = [b["tok_s"] / a_["tok_s"] for a_, b in zip(summary[srcs[0]]["runs"], summary[srcs[1]]["runs"])]
+        g = float(np.exp(np.mean(np.log(ratios))))
+        print(f"tok/s second / first tree, geometric mean of {len(ratios)} paired rounds: {g:.3f} "
+              f"({sum(r >= 1 for r in ratios)}/{len(ratios)} >= 1)")
     print(f"wrote {a.out}")
 
 
