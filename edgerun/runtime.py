@@ -168,7 +168,7 @@ class Runtime:
 
     def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                       gamma=None, stats: GenStats | None = None, constraint: Constraint | None = None,
-                      **sampling_kw) -> Iterator[Step]:
+                      **sampling_kw) -> "TokenStream":
         """The decode loop on explicit prompt tokens. Arguments are checked now (errors raise here,
         before the first token); closing the returned iterator cancels and rolls the caches back.
         constraint: from `constraint(...)` or `plan_chat(...)`: the output follows its grammar."""
@@ -180,22 +180,47 @@ class Runtime:
         self._check_prompt(prompt_tokens)
         policy = self._policy_for(gamma, sampling)
         stats = stats if stats is not None else GenStats()
-        return self._run(list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats, constraint)
+        return TokenStream(self, (list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats, constraint))
+
+    def _loop(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
+        """The decode loop's generator for one generation (nothing runs until it is iterated)."""
+        rng = np.random.default_rng(sampling.seed)
+        batched = self.group is not None and isinstance(policy, GammaTuner)
+        # in a batch of several sequences, drafts only where they still pay (spec/gamma.py)
+        run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
+        return generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
+                        drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
+
+    def _finish(self, sampling, policy, stats) -> None:
+        self.last_stats = stats
+        self.session_stats.merge(stats)
+        if self.tuner_store is not None and any(policy is t for t in self._tuners.values()):
+            self.tuner_store.save(policy, regime(sampling))
 
     def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
-        rng = np.random.default_rng(sampling.seed)
         try:
-            batched = self.group is not None and isinstance(policy, GammaTuner)
-            # in a batch of several sequences, drafts only where they still pay (spec/gamma.py)
-            run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
-            steps = generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
-                             drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
+            steps = self._loop(prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint)
             yield from (steps if self.group is None else self.group.drive(steps, self.batch_views()))
         finally:
-            self.last_stats = stats
-            self.session_stats.merge(stats)
-            if self.tuner_store is not None and any(policy is t for t in self._tuners.values()):
-                self.tuner_store.save(policy, regime(sampling))
+            self._finish(sampling, policy, stats)
+
+    def _run_with(self, args: tuple, on_step) -> None:
+        """TokenStream.run: in a batching group, BatchGroup.run (a loop that joins others runs on the engine
+        thread, on_step too); elsewhere the Steps are iterated on this thread."""
+        if self.group is None:
+            it = self._run(*args)
+            try:
+                for step in it:
+                    if on_step(step) is False:
+                        break
+            finally:
+                it.close()
+            return
+        _, sampling, _, _, policy, stats, _ = args
+        try:
+            self.group.run(self._loop(*args), on_step, self.batch_views())
+        finally:
+            self._finish(sampling, policy, stats)     # here: a tuner store's write holds up no batch
 
     def stream(self, prompt: str, *, json_schema=None, grammar: str | None = None, response_format=None,
                **kw) -> Iterator[Step]:
@@ -212,7 +237,8 @@ class Runtime:
 
     def _complete(self, prompt_tokens: list[int], **kw) -> Completion:
         stats = GenStats()
-        steps = list(self.stream_tokens(prompt_tokens, stats=stats, **kw))
+        steps: list[Step] = []
+        self.stream_tokens(prompt_tokens, stats=stats, **kw).run(steps.append)   # a batching slot: on the engine
         return Completion(text="".join(s.text for s in steps), tokens=[s.token for s in steps],
                           finish_reason=stats.finish_reason or "length", n_prompt_tokens=len(prompt_tokens),
                           n_tokens=stats.n_tokens, stats=stats)
@@ -386,3 +412,42 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     except BaseException:
         target.close()
         raise
+
+
+class TokenStream:
+    """One generation's Steps (Runtime.stream_tokens): iterate it, or hand it a callback with run().
+
+    Iterating runs the decode loop on the iterating thread (in a batching group, as a member with a thread
+    of its own: BatchGroup.drive). run(on_step) calls on_step(step) for each Step until it returns False or
+    the generation ends; in a batching group the loop then runs on the engine thread, which steps every
+    such member itself (BatchGroup.run_inline, the server's slots), so on_step must be quick there (wrap a
+    wait in backends.batch.blocking). Either way closing or stopping it rolls the caches back to what was
+    committed. A stream runs once."""
+
+    def __init__(self, runtime: Runtime, args: tuple) -> None:
+        self._rt, self._args = runtime, args
+        self._gen: Iterator[Step] | None = None
+        self._used = False
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> Step:
+        if self._gen is None:
+            if self._used:
+                raise StopIteration
+            self._used = True
+            self._gen = self._rt._run(*self._args)
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._used = True
+        if self._gen is not None:
+            self._gen.close()
+
+    def run(self, on_step) -> None:
+        """Call on_step(step) for each Step (see the class); what the loop or on_step raises raises here."""
+        if self._used:
+            raise RuntimeError("this stream has run already")
+        self._used = True
+        self._rt._run_with(self._args, on_step)

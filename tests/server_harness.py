@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from edgerun.backends.batch import blocking
+
 TINY_ARGS = ("--draft", "none", "--profile", "generic-x86_64-cpu", "--threads", "1", "--ctx", "256")
 
 
@@ -182,21 +184,65 @@ class GatedRuntime:
 
     def stream_tokens(self, prompt_tokens, **kw):
         inner = self._rt.stream_tokens(prompt_tokens, **kw)   # argument errors raise here, as in the Runtime
+        return _GatedStream(self, list(prompt_tokens), inner)
 
-        def gated():
-            self.started.append(list(prompt_tokens))
-            self.entered.release()
-            if not self.gate.wait(60):
-                raise TimeoutError("test gate never opened")
-            try:
-                for i, step in enumerate(inner):
-                    if i > 0 and self.meter is not None and not self.meter.acquire(timeout=60):
-                        raise TimeoutError("test meter never released a token")
-                    yield step
-            finally:
-                inner.close()
 
-        return gated()
+class _GatedStream:
+    """A TokenStream that waits at its runtime's gate before the first token and takes a meter permit
+    before each further one, iterated (the Runtime's own thread) or run with a callback (the server: in a
+    batching group the callback runs on the engine thread, so the meter's wait goes through blocking(),
+    which parks the sequence while the others go on, as a consumer holding a Step does when iterating)."""
+
+    def __init__(self, owner: GatedRuntime, prompt_tokens: list, inner) -> None:
+        self._owner, self._prompt, self._inner = owner, prompt_tokens, inner
+        self._gen = None
+
+    def _enter(self) -> None:
+        self._owner.started.append(self._prompt)
+        self._owner.entered.release()
+        if not self._owner.gate.wait(60):
+            raise TimeoutError("test gate never opened")
+
+    def _metered(self) -> None:
+        meter = self._owner.meter
+        if meter is not None and not blocking(lambda: meter.acquire(timeout=60)):
+            raise TimeoutError("test meter never released a token")
+
+    def _iterate(self):
+        self._enter()
+        try:
+            for i, step in enumerate(self._inner):
+                if i > 0:
+                    self._metered()
+                yield step
+        finally:
+            self._inner.close()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._gen is None:
+            self._gen = self._iterate()
+        return next(self._gen)
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+        self._inner.close()
+
+    def run(self, on_step) -> None:
+        self._enter()
+        n = 0
+
+        def gated(step):
+            nonlocal n
+            if n > 0:
+                self._metered()
+            n += 1
+            return on_step(step)
+
+        self._inner.run(gated)
 
 
 def wait_until(cond, timeout: float = 30, what: str = "condition") -> None:

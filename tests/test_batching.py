@@ -83,6 +83,78 @@ def test_greedy_batched_equals_alone(tiny_llama, draft, gamma, monkeypatch):
         assert bool(plain) == (gamma == "auto")      # the tuner is asked through BatchedGamma
 
 
+@pytest.mark.parametrize("draft,gamma", [(None, 0), ("self", 2)])
+def test_generations_that_join_a_running_one_are_stepped_by_the_engine_thread(tiny_llama, draft, gamma):
+    """A generation that starts alone runs on its own thread (BatchGroup.run, as drive); those that join
+    it while it runs are stepped by the engine thread (run_inline), and the first moves there too at its
+    next Step: each text is what it is alone, the first's Steps came from both threads, and batches held
+    its rows with the others'."""
+    from edgerun.backends.batch import blocking
+
+    rt = _load(tiny_llama, 4, draft=str(tiny_llama) if draft else None, gamma=gamma)
+    with rt:
+        kw = dict(max_tokens=24, temperature=0)
+        alone = [rt.generate(p, **kw).text for p in PROMPTS]
+        slots = rt.slots()
+        group = slots[0].group
+        kinds: dict[int, set] = {}
+        orig = rt.target.eval_rows
+
+        def spy(rows):
+            kinds.setdefault(len(kinds), {q for q, _, _ in rows})
+            return orig(rows)
+        rt.target.eval_rows = spy
+        first_going = threading.Event()
+        texts: list = [None] * 4
+        where: list[str] = []
+
+        def first():
+            text = []
+
+            def on_step(step):
+                text.append(step.text)
+                where.append(threading.current_thread().name)
+                if len(text) == 2:
+                    first_going.set()
+                    blocking(lambda: joined.wait(30))     # hold on until the others run beside it
+            slots[0].stream_tokens(slots[0].tokenize(PROMPTS[0]), **kw).run(on_step)
+            texts[0] = "".join(text)
+
+        joined = threading.Event()
+
+        def later(i):
+            assert first_going.wait(30)
+            texts[i] = slots[i].generate(PROMPTS[i], **kw).text
+        threads = [threading.Thread(target=first)] + [threading.Thread(target=later, args=(i,)) for i in (1, 2, 3)]
+        for t in threads:
+            t.start()
+        assert first_going.wait(30)
+        wait_for = time.monotonic() + 30
+        while group.n_inline < 3 and time.monotonic() < wait_for:
+            time.sleep(0.005)
+        joined.set()
+        for t in threads:
+            t.join(120)
+        assert texts == alone
+        assert group.n_inline == 4                   # the three that joined, and the first once they had
+        assert where[0] != "edgerun-engine" and where[-1] == "edgerun-engine"
+        assert any(0 in ids and len(ids) > 1 for ids in kinds.values())   # sequence 0 shared a batch with them
+
+
+def test_without_greenlet_every_generation_runs_on_its_own_thread(tiny_llama):
+    """BatchGroup.run without greenlet (no hub): every loop runs on the thread that started it, as drive()
+    runs it, the texts are the same and nothing ran on the engine thread's hub."""
+    with _load(tiny_llama, 4) as rt:
+        kw = dict(max_tokens=16, temperature=0)
+        alone = [rt.generate(p, **kw).text for p in PROMPTS]
+        slots = rt.slots()
+        group = slots[0].group
+        group._hub = None
+        assert not group.steps_inline
+        batched = _concurrently([lambda s=s, p=p: s.generate(p, **kw).text for s, p in zip(slots, PROMPTS)])
+        assert batched == alone and group.n_inline == 0 and group.n_rows > group.n_steps
+
+
 def test_every_evaluation_of_a_multi_sequence_context_runs_on_the_engine_thread(tiny_llama):
     """llama.cpp's CPU backend runs a call on an OpenMP team of the calling thread, a team lives as long as
     its thread, and a second live team slows the working one (libgomp's throttled spinning; llamacpp.on_engine).
@@ -115,12 +187,15 @@ def test_every_evaluation_of_a_multi_sequence_context_runs_on_the_engine_thread(
     assert seen == {threading.current_thread().name}
 
 
-def test_a_job_being_admitted_joins_the_next_step_and_a_slow_admission_holds_none(tiny_llama):
+@pytest.mark.parametrize("stepped", ["own thread", "engine thread"])
+def test_a_job_being_admitted_joins_the_next_step_and_a_slow_admission_holds_none(tiny_llama, stepped):
     """A job being placed on a free slot (tokenizing, restoring a prefix) holds the running sequences'
     next batch until its prompt rows join it, up to ADMIT_GRACE_S from the admission's start: a burst's
     prompts share a pass instead of straggling into passes of their own. An admission slower than that
-    holds nothing after it."""
-    from edgerun.backends.batch import ADMIT_GRACE_S
+    holds nothing after it. Both ways of running a member: iterated on its own thread (drive), and run
+    with a callback on the engine thread (run_inline, the server's), whose ~1 ms wait per token goes
+    through blocking()."""
+    from edgerun.backends.batch import ADMIT_GRACE_S, blocking
 
     with _load(tiny_llama, 4) as rt:
         batches: list[list[tuple[int, int]]] = []
@@ -131,10 +206,21 @@ def test_a_job_being_admitted_joins_the_next_step_and_a_slow_admission_holds_non
         going = threading.Event()
 
         def long_run():                          # sequence 0, its consumer taking ~1 ms per token
-            for i, _ in enumerate(slots[0].stream_tokens(rt.tokenize(PROMPTS[0]), max_tokens=200, temperature=0)):
-                if i == 5:
-                    going.set()
-                time.sleep(0.001)
+            stream = slots[0].stream_tokens(rt.tokenize(PROMPTS[0]), max_tokens=200, temperature=0)
+            if stepped == "own thread":
+                for i, _ in enumerate(stream):
+                    if i == 5:
+                        going.set()
+                    time.sleep(0.001)
+            else:
+                n = []
+
+                def on_step(step):
+                    n.append(step)
+                    if len(n) == 6:
+                        going.set()
+                    blocking(lambda: time.sleep(0.001))
+                stream.run(on_step)
         a = threading.Thread(target=long_run)
         a.start()
         assert going.wait(30)
@@ -146,7 +232,11 @@ def test_a_job_being_admitted_joins_the_next_step_and_a_slow_admission_holds_non
                 n0 = len(batches)
                 time.sleep(hold_s)               # the admission's own work
                 out[key] = len(batches) - n0
-                slots[slot].generate(PROMPTS[slot], max_tokens=2, temperature=0)
+                stream = slots[slot].stream_tokens(rt.tokenize(PROMPTS[slot]), max_tokens=2, temperature=0)
+                if stepped == "own thread":
+                    list(stream)
+                else:
+                    stream.run(lambda step: None)
             finally:
                 group.end_admission()
         b = threading.Thread(target=admit, args=(1, 0.02, "quick"))
@@ -175,7 +265,11 @@ def test_sampled_with_seeds_reproduce_batched(tiny_llama):
         assert again == alone
 
 
-def test_a_sequence_stopping_mid_batch_leaves_the_others_untouched(tiny_llama):
+@pytest.mark.parametrize("stepped", ["own thread", "engine thread"])
+def test_a_sequence_stopping_mid_batch_leaves_the_others_untouched(tiny_llama, stepped):
+    """A consumer that goes away after 4 tokens (a stream closed on its own thread, or a callback that
+    returns False on the engine thread, as the server's on a disconnect) rolls its sequence back to what
+    it committed; the others' texts and caches are what they are alone, and the freed slot serves again."""
     with _load(tiny_llama, 3) as rt:
         kw = dict(max_tokens=40, temperature=0)
         alone = [rt.generate(p, **kw).text for p in PROMPTS[:3]]
@@ -184,11 +278,22 @@ def test_a_sequence_stopping_mid_batch_leaves_the_others_untouched(tiny_llama):
 
         def quitter():
             stream = slots[1].stream_tokens(slots[1].tokenize(PROMPTS[1]), **kw)
-            for i, _ in enumerate(stream):
-                if i == 3:
-                    started.set()
-                    break                       # the consumer goes away: the loop rolls its cache back
-            stream.close()
+            if stepped == "own thread":
+                for i, _ in enumerate(stream):
+                    if i == 3:
+                        started.set()
+                        break                   # the consumer goes away: the loop rolls its cache back
+                stream.close()
+            else:
+                got = []
+
+                def on_step(step):
+                    got.append(step)
+                    if len(got) == 4:
+                        started.set()
+                        return False            # the same, from a callback on the engine thread
+                stream.run(on_step)
+                assert len(got) == 4
             n = len(slots[1].target.tokens)
             # then the freed slot serves a new request, from scratch, while the others still run
             return n, slots[1].generate(PROMPTS[1], **kw).text
@@ -205,11 +310,13 @@ def test_a_sequence_stopping_mid_batch_leaves_the_others_untouched(tiny_llama):
 
 
 
+@pytest.mark.parametrize("stepped", ["own thread", "engine thread"])
 @pytest.mark.parametrize("draft,gamma", [(None, 0), ("self", 2)])
-def test_a_running_sequence_moved_to_a_free_id_goes_on_as_alone(tiny_llama, draft, gamma):
+def test_a_running_sequence_moved_to_a_free_id_goes_on_as_alone(tiny_llama, draft, gamma, stepped):
     """BatchGroup.move mid-generation: slot 2's sequences (target, and a model drafter's) move to idle slot
-    1's ids between two steps while slot 0 runs beside it; both texts are what they are alone, the views
-    swapped ids, the moved caches hold their tokens and the idle slot's are empty."""
+    1's ids between two steps while slot 0 runs beside it (on the engine thread); both texts are what they
+    are alone, the views swapped ids, the moved caches hold their tokens and the idle slot's are empty.
+    Slot 2 iterated on its own thread (a group with members of both kinds) or run on the engine thread."""
     rt = _load(tiny_llama, 4, draft=str(tiny_llama) if draft else None, gamma=gamma)
     with rt:
         kw = dict(max_tokens=32, temperature=0)
@@ -221,10 +328,16 @@ def test_a_running_sequence_moved_to_a_free_id_goes_on_as_alone(tiny_llama, draf
         def mover():
             stream = slots[2].stream_tokens(slots[2].tokenize(PROMPTS[2]), **kw)
             text = []
-            for i, step in enumerate(stream):
+
+            def on_step(step):
                 text.append(step.text)
-                if i == 5:
+                if len(text) == 6:
                     halfway.set()
+            if stepped == "own thread":
+                for step in stream:
+                    on_step(step)
+            else:
+                stream.run(on_step)
             return "".join(text)
 
         def move():

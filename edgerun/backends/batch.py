@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from .base import check_eval
 from ..util import handoff
-from .llamacpp import on_engine_later
+from .llamacpp import attach_driver, on_engine, on_engine_later, signal_engine
+
+try:                        # the engine thread steps the server's sequences itself (run_inline) where it is
+    import greenlet as _greenlet
+except ImportError:         # pragma: no cover - then every member runs on its own thread (drive)
+    _greenlet = None
 
 
 YIELD_GRACE_S = 0.005     # how long a batch waits for a member whose consumer holds its last Step
@@ -68,17 +73,32 @@ class BatchGroup:
         self._active = 0               # members inside a generation
         self._admitting: dict[int, float] = {}   # thread ident -> when it began placing a job (begin_admission)
         self._executing = False
-        self._members: dict[int, tuple] = {}   # thread ident -> the views of a member's slot (drive(views=...))
+        self._members: dict = {}       # thread ident (drive) or _Member (run_inline) -> the views of its slot
         self._moves: list[_Move] = []          # sequences to move at the next step (move())
         self._engine = threading.Lock()    # held around every llama.cpp call on the shared contexts
         self.n_steps = 0               # batches evaluated, and rows in them (sequences x positions)
         self.n_rows = 0
         self.eval_s = 0.0              # wall time inside those evaluations
         self.n_moves = 0               # running sequences moved to other ids (move())
+        self._hub = _Hub(self) if _greenlet is not None else None
+        self._hub_active = 0           # members stepped by the engine thread (run_inline)
+        self.n_inline = 0              # members that have joined through run_inline
 
     @property
     def n_active(self) -> int:
-        return self._active
+        return self._active + self._hub_active
+
+    def alone_now(self) -> bool:
+        """Whether a generation starting on the calling thread now would be the group's only one: no member
+        running, no other job being placed (begin_admission on another thread)."""
+        me = threading.get_ident()
+        with self._cond:
+            return self._active + self._hub_active == 0 and all(t == me for t in self._admitting)
+
+    @property
+    def steps_inline(self) -> bool:
+        """Whether run_inline() can step members on the engine thread (greenlet is installed)."""
+        return self._hub is not None
 
     def view(self, backend, seq: int) -> "SeqBackend":
         return SeqBackend(self, backend, seq)
@@ -96,12 +116,16 @@ class BatchGroup:
         with self._cond:
             if self._admitting.pop(threading.get_ident(), None) is not None:
                 self._cond.notify_all()
+                if self._hub_active:
+                    signal_engine()        # the hub may be waiting for this admission
 
-    def drive(self, steps: Iterator, views: Sequence["SeqBackend"] = ()) -> Iterator:
+    def drive(self, steps: Iterator, views: Sequence["SeqBackend"] = (), keep: list | None = None) -> Iterator:
         """Run a decode loop (a generator of Steps) as a member: while it runs Python the group's next
         batch waits for its rows; while its consumer holds a Step (the loop is suspended) the batch
         waits YIELD_GRACE_S for it, then goes on without it; once it has ended, without it. views: the
-        loop's sequence views (one per backend), which move() may then give other ids between steps."""
+        loop's sequence views (one per backend), which move() may then give other ids between steps.
+        Closing it closes the loop (its rollback), unless keep[0] is true then (run(): the loop goes on
+        elsewhere)."""
         me = threading.get_ident()
         self._change(active=1, running=1, joined=True)
         with self._cond:
@@ -119,11 +143,84 @@ class BatchGroup:
                     self._change(running=1, yielded=-1)
         finally:
             try:
-                steps.close()          # the loop's rollback (truncate) runs while this member counts
+                if not (keep and keep[0]):
+                    steps.close()      # the loop's rollback (truncate) runs while this member counts
             finally:
                 with self._cond:
                     self._members.pop(me, None)
                 self._change(active=-1, running=-1)
+
+    def run(self, steps: Iterator, on_step: Callable, views: Sequence["SeqBackend"] = ()) -> None:
+        """Run a decode loop (a generator of Steps) as a member, calling on_step(step) for each Step until
+        it returns False or the loop ends; return once the member has left (its loop closed, its caches
+        rolled back), raising what the loop or on_step raised.
+
+        A loop that starts alone runs on this thread (as drive() would run it): a lone sequence's next
+        evaluation begins before its token is handed over, which one thread cannot do. From the first Step
+        at which another member has joined (or a job is being placed) it moves to the engine thread
+        (run_inline), as does every loop that starts beside others: the engine thread then steps them all
+        with no thread switch between two decodes. Without greenlet every loop runs on its own thread."""
+        if self._hub is not None and not self.alone_now():
+            return self.run_inline(steps, on_step, views)
+        keep = [False]
+        it = self.drive(steps, views, keep)
+        try:
+            for step in it:
+                if on_step(step) is False:
+                    return
+                if self._hub is not None and (self._hub_active or self._active > 1 or self._admitting):
+                    keep[0] = True
+                    self.begin_admission()      # the step it leaves waits for its rows on the engine thread
+                    break
+        finally:
+            it.close()                          # leaves as a member of drive() (closing the loop unless kept)
+        if keep[0]:
+            self.run_inline(steps, on_step, views)
+
+    def run_inline(self, steps: Iterator, on_step: Callable, views: Sequence["SeqBackend"] = ()) -> None:
+        """Run a decode loop (a generator of Steps) as a member stepped by the engine thread, calling
+        on_step(step) there for each Step until it returns False or the loop ends; return when the member
+        has left (its loop closed, its caches rolled back), raising what the loop or on_step raised.
+
+        Where drive() gives each member a thread of its own (woken at every step, then taking its turn on
+        the GIL), here every member of the group runs as a greenlet of the engine thread, which resumes
+        each with its rows, collects the next ones and evaluates them with no thread switch between two
+        decodes (docs/batching.md, "One thread steps the batch"). on_step runs on the engine thread: it must
+        not block (wrap a wait in blocking(), which parks the member and runs the wait on this thread).
+        Members of drive() and of run_inline() may share a group; they are then evaluated in separate
+        batches. Needs greenlet (steps_inline); the caller falls back to drive() without it."""
+        if self._hub is None:
+            raise RuntimeError("run_inline needs the greenlet package (BatchGroup.steps_inline)")
+        m = _Member(steps, on_step)
+        with self._cond:
+            self._admitting.pop(threading.get_ident(), None)     # this admission has joined
+            self._hub_active += 1
+            self.n_inline += 1
+            self._members[m] = tuple(views)
+            self._hub.inbox.append(m)
+        attach_driver(self._hub)
+        interrupted = None
+        while True:
+            try:
+                m.mail.acquire()             # the hub posts a wait to run here (blocking()) or the end
+            except BaseException as exc:     # interrupted (Ctrl-C): stop the member and wait for it to leave
+                interrupted = interrupted or exc
+                m.cancelled = True
+                continue
+            task, m.task = m.task, None
+            if task is None:
+                break
+            try:
+                val = task()
+            except BaseException as exc:
+                val = _Failed(exc)
+            with self._cond:
+                self._hub.woken.append((m, val))
+            signal_engine()
+        if interrupted is not None:
+            raise interrupted
+        if m.error is not None:
+            raise m.error
 
     def move(self, src: Sequence["SeqBackend"], dst: Sequence["SeqBackend"], timeout_s: float = 1.0) -> bool:
         """Move a running member's sequences (src: its views, one per backend, as given to drive) to the ids
@@ -183,6 +280,8 @@ class BatchGroup:
             self._yielded += yielded
             if self._running == 0 and running < 0:
                 self._cond.notify_all()          # the others all wait for an eval: one of them runs it
+                if self._hub_active:
+                    signal_engine()              # or the hub does, with its members' rows
 
     # -- called by SeqBackend ------------------------------------------------------------------
     def _claim_alone(self) -> bool:
@@ -190,7 +289,7 @@ class BatchGroup:
         move, no evaluation in progress); if so it holds the engine (_executing) from now on."""
         with self._cond:
             alone = (self._active == 1 and self._running == 1 and not self._executing and not self._yielded
-                     and not self._admitting and not self._moves)
+                     and not self._admitting and not self._moves and not self._hub_active)
             if alone:
                 self._executing = True
             return alone
@@ -200,20 +299,31 @@ class BatchGroup:
         only member (see _claim_alone): the returned function waits for the logits. None otherwise (then
         eval() as usual). The member stays counted as running meanwhile: one that joins waits for this
         evaluation and then for the member's next rows, as after any evaluation."""
+        if _greenlet is not None and type(_greenlet.getcurrent()) is _MemberGreenlet:
+            return None
         if not self._claim_alone():
             return None
         return on_engine_later(self._eval_alone, view, tokens, k)
 
     def eval(self, view: "SeqBackend", tokens: list[int], k: int) -> np.ndarray:
+        if _greenlet is not None:
+            me = _greenlet.getcurrent()
+            if type(me) is _MemberGreenlet:     # a member stepped by the engine thread: post, and switch to it
+                out = me.parent.switch(("eval", view, tokens, k))
+                if type(out) is _Failed:
+                    raise out.exc
+                return out
         if self._claim_alone():
             return self._eval_alone(view, tokens, k)
         req = _Request(view, tokens, k)
         with self._cond:
             self._pending[id(view.shared)].append(req)
             self._running -= 1          # the last member to post evaluates the batch itself (no wake-up)
+            if self._hub_active and self._running == 0:
+                signal_engine()         # with members on the engine thread its hub evaluates: these rows are in
             graced = False
             while not req.done:
-                if self._running == 0 and not self._executing:
+                if self._running == 0 and not self._executing and not self._hub_active:
                     if self._yielded and not graced:
                         # a member is handing its token to its consumer and is about to post its next
                         # rows: give it a moment (it then evaluates the batch itself) rather than split
@@ -244,14 +354,24 @@ class BatchGroup:
         as running, so one that joins meanwhile waits for this evaluation and then for the member's next
         rows, as it would in a batch."""
         try:
-            with self._engine:
-                return self._timed(view.shared, [(view.seq, tokens, k)])[0]
+            return self._evaluate(view.shared, [(view.seq, tokens, k)])[0]
         finally:
             with self._cond:
                 self._executing = False
                 self.n_steps += 1
                 self.n_rows += len(tokens)
                 self._cond.notify_all()
+
+    def _evaluate(self, backend, rows):
+        """eval_rows under the engine lock, taken on the thread that evaluates: the engine thread for a
+        context of several sequences (on_engine). Whoever holds the lock never waits for the engine thread,
+        which itself takes the lock (the hub), so neither can wait for the other."""
+        def run():
+            with self._engine:
+                return self._timed(backend, rows)
+        if getattr(backend, "n_seq", 1) > 1:
+            return on_engine(run)
+        return run()
 
     def _timed(self, backend, rows):
         t0 = time.perf_counter()
@@ -266,7 +386,7 @@ class BatchGroup:
 
     def _execute(self) -> None:
         """Evaluate the posted rows of the first backend that has any (called with the condition held)."""
-        if self._moves:
+        if self._moves and not self._hub_active:     # with members on the engine thread, its hub moves
             self._apply_moves()
         batch: list[_Request] = []
         for b in self.backends:
@@ -281,8 +401,7 @@ class BatchGroup:
         self._cond.release()
         try:
             try:
-                with self._engine:     # eval_rows runs on the engine thread (llamacpp.on_engine)
-                    outs = self._timed(backend, [(r.view.seq, r.tokens, r.k) for r in batch])
+                outs = self._evaluate(backend, [(r.view.seq, r.tokens, r.k) for r in batch])
                 for r, out in zip(batch, outs):
                     r.out = out
             except BaseException as exc:       # every row of a failed batch gets the error
@@ -297,6 +416,170 @@ class BatchGroup:
                 r.done = True
             self._running += len(batch)
             self._cond.notify_all()
+
+
+class _Failed:
+    """An exception handed into a member stepped by the hub, raised there."""
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Member:
+    """A decode loop stepped by the hub (run_inline) and what it tells the thread that submitted it."""
+    __slots__ = ("steps", "on_step", "glet", "mail", "task", "error", "cancelled", "__weakref__")
+
+    def __init__(self, steps: Iterator, on_step: Callable) -> None:
+        self.steps, self.on_step = steps, on_step
+        self.glet = None
+        self.mail = threading.Lock()     # released by the hub: a wait to run (task) or the member's end
+        self.mail.acquire()
+        self.task: Callable | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+
+    def main(self) -> None:
+        """The member's greenlet: its loop's Steps to on_step until one says stop or the loop ends."""
+        try:
+            for step in self.steps:
+                if self.on_step(step) is False or self.cancelled:
+                    break
+        except BaseException as exc:         # handed to run_inline's caller
+            self.error = exc
+        finally:
+            try:
+                self.steps.close()           # the loop's rollback (truncate), still as a member
+            except BaseException as exc:
+                self.error = self.error or exc
+
+
+if _greenlet is not None:
+    class _MemberGreenlet(_greenlet.greenlet):
+        """A member's greenlet (BatchGroup.eval tells a member stepped by the hub by its type)."""
+        __slots__ = ()
+else:                                        # pragma: no cover
+    class _MemberGreenlet:                   # never instantiated: eval's type check fails for every caller
+        pass
+
+
+def blocking(fn: Callable):
+    """Run fn() (a wait: for a lock, an event, a file) from a decode loop or its consumer, and return its
+    result. In a member stepped by the engine thread (run_inline) fn runs on the thread that submitted
+    the member, which waits for it anyway, while the member is parked and the batch goes on without it;
+    anywhere else fn() runs here."""
+    if _greenlet is None:
+        return fn()
+    me = _greenlet.getcurrent()
+    if type(me) is not _MemberGreenlet:
+        return fn()
+    out = me.parent.switch(("park", fn))
+    if type(out) is _Failed:
+        raise out.exc
+    return out
+
+
+class _Hub:
+    """Steps the members of one BatchGroup that joined through run_inline, on the engine thread
+    (llamacpp.attach_driver): resume each with its rows, let it run to its next post, evaluate the posted
+    rows of one backend (drafters first), again. Between two decodes there is no thread switch: the
+    members' Python runs back to back on the thread that evaluates."""
+
+    def __init__(self, group: BatchGroup) -> None:
+        self.group = group
+        self.inbox: list[_Member] = []           # joined, not started (appended under the group's condition)
+        self.woken: list[tuple[_Member, object]] = []   # parked members whose wait ended, with its result
+        self._ready: list[tuple[_Member, object]] = []  # to resume, with what to hand them
+        self._posted: dict[int, list] = {id(b): [] for b in group.backends}   # backend -> [(member, view, tokens, k)]
+        self._parked = 0
+        self._grace_until: float | None = None   # how long this step waits for parked members (YIELD_GRACE_S)
+
+    def step(self) -> float | None:
+        g = self.group
+        if self.inbox or self.woken:             # (read unlocked: a list's truth is one load; taken under the lock)
+            with g._cond:
+                new, self.inbox = self.inbox, []
+                woken, self.woken = self.woken, []
+            for m in new:
+                m.glet = _MemberGreenlet(m.main)
+                self._ready.append((m, None))
+            self._parked -= len(woken)
+            self._ready.extend(woken)
+        ready, self._ready = self._ready, []
+        for m, val in ready:
+            msg = m.glet.switch(val) if m.glet else m.glet.switch()     # a new one starts in main()
+            if m.glet.dead:
+                self._leave(m)
+            elif msg[0] == "eval":
+                self._posted[id(msg[1].shared)].append((m, msg[1], msg[2], msg[3]))
+            else:                                # "park": the submitting thread runs the wait
+                self._parked += 1
+                m.task = msg[1]
+                m.mail.release()
+        if not g._hub_active:
+            return None                          # no member here: drive()'s members evaluate their own batches
+        if g._active and (g._running or g._executing):
+            return None                          # a member of drive() is running Python: its rows join this
+                                                 # step (its post signals the engine)
+        batch = None
+        for b in g.backends:
+            if self._posted[id(b)] or g._pending[id(b)]:
+                batch = b
+                break
+        if batch is None:
+            return None                          # nothing posted: members parked (woken by a signal)
+        if self._parked or g._yielded:           # a member parked in a wait (blocking()), or one of drive()'s
+            now = time.monotonic()               # whose consumer holds a Step, is back in a moment, usually:
+            if self._grace_until is None:        # the step waits YIELD_GRACE_S for it, as drive()'s batches do
+                self._grace_until = now + YIELD_GRACE_S
+            if now < self._grace_until:
+                handoff.flush()
+                return self._grace_until - now
+        if g._admitting or g._moves:
+            with g._cond:
+                if g._admitting:                 # a job being placed on a free slot joins this step if it comes
+                    wait = max(g._admitting.values()) + ADMIT_GRACE_S - time.monotonic()     # within the grace
+                    if wait > 0:
+                        handoff.flush()
+                        return wait
+                if g._moves and g._running == 0 and not g._executing:   # nor drive()'s members' Python or batch
+                    g._apply_moves()
+        self._grace_until = None
+        posted, self._posted[id(batch)] = self._posted[id(batch)], []
+        theirs: list[_Request] = []              # drive()'s members' rows of this backend join the batch
+        if g._pending[id(batch)]:
+            with g._cond:
+                theirs, g._pending[id(batch)] = g._pending[id(batch)], []
+        # ids read now: a move may have changed them
+        rows = [(view.seq, toks, k) for _, view, toks, k in posted] + [(r.view.seq, r.tokens, r.k) for r in theirs]
+        try:
+            with g._engine:
+                outs = g._timed(batch, rows)
+        except BaseException as exc:             # every row of a failed batch gets the error
+            outs = [_Failed(exc)] * len(rows)
+        g.n_steps += 1
+        g.n_rows += sum(len(r[1]) for r in rows)
+        self._ready = [(m, out) for (m, _, _, _), out in zip(posted, outs)]
+        if theirs:
+            with g._cond:
+                for r, out in zip(theirs, outs[len(posted):]):
+                    if type(out) is _Failed:
+                        r.error = out.exc
+                    else:
+                        r.out = out
+                    r.done = True
+                g._running += len(theirs)
+                g._cond.notify_all()
+        return 0
+
+    def _leave(self, m: _Member) -> None:
+        g = self.group
+        with g._cond:
+            g._hub_active -= 1
+            g._members.pop(m, None)
+            g._cond.notify_all()
+        m.glet = None
+        m.mail.release()                         # task is None: the end
 
 
 class SeqBackend:

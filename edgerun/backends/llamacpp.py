@@ -89,6 +89,7 @@ class _Engine:
 
     def __init__(self) -> None:
         self._calls: deque[_Call] = deque()
+        self._drivers: list = []             # attach_driver(): stepped between calls (batch.py's hub)
         self._wake = threading.Lock()
         self._wake.acquire()                 # released when a call is queued
         self._stopping = False
@@ -99,10 +100,23 @@ class _Engine:
     def _main(self) -> None:
         global _engine_ident
         _engine_ident = threading.get_ident()
+        wait = None                          # what the drivers asked for: None, sleep until signalled
         while not self._stopping:
-            self._wake.acquire()
+            if wait is None:
+                self._wake.acquire()
+            elif wait > 0:
+                self._wake.acquire(timeout=wait)
             while self._calls:
                 self._calls.popleft().run()
+            wait = None
+            for driver in self._drivers:
+                try:
+                    w = driver.step()
+                except BaseException:        # a driver's bug must not end the engine: log it, go on
+                    log.exception("an engine driver failed")
+                    w = None
+                if w is not None and (wait is None or w < wait):
+                    wait = w
 
     def _signal(self) -> None:
         try:
@@ -147,6 +161,24 @@ def on_engine(fn, *args):
     return _engine_submit(fn, args).wait()
 
 
+def attach_driver(driver) -> None:
+    """Step `driver` on the engine thread, between queued calls, from now on: driver.step() -> float | None
+    is called after every wake-up and returns when to call it again (0: at once, after any queued calls;
+    s > 0: after s seconds or the next signal, whichever comes first; None: at the next signal). Wake the
+    engine with signal_engine(). batch.py's hub steps the sequences of a batching group this way."""
+    eng = _engine_get()
+    with _engine_lock:
+        if driver not in eng._drivers:
+            eng._drivers.append(driver)
+    eng._signal()
+
+
+def signal_engine() -> None:
+    """Wake the engine thread so that its drivers step (a no-op before the engine exists)."""
+    if _engine is not None:
+        _engine._signal()
+
+
 def on_engine_later(fn, *args) -> Callable[[], object]:
     """Start fn(*args) (an evaluation) on the engine thread; return once it is inside native code (the next
     llama_decode has begun: util/handoff.py's next flush) or has ended, whichever comes first. Calling the
@@ -173,13 +205,17 @@ def on_engine_later(fn, *args) -> Callable[[], object]:
     return call.wait
 
 
-def _engine_submit(fn, args, after=None) -> _Call:
+def _engine_get() -> _Engine:
     global _engine
     if _engine is None:
         with _engine_lock:
             if _engine is None:
                 _engine = _Engine()
-    return _engine.submit(fn, args, after)
+    return _engine
+
+
+def _engine_submit(fn, args, after=None) -> _Call:
+    return _engine_get().submit(fn, args, after)
 
 
 def default_threads() -> int:

@@ -491,18 +491,23 @@ class Scheduler:
             stream = runtime.stream_tokens(prompt_tokens, max_tokens=res.max_tokens, stop=job.stop,
                                            stats=res.stats, constraint=constraint, **job.sampling)
             res.started = True
-            for step in stream:
-                self._step_started[slot] = time.monotonic()
+            stopped = False
+
+            def on_step(step) -> bool:
+                # in a batching group this runs on the engine thread, between two evaluations: keep it short
+                nonlocal stopped
+                now = self._step_started[slot] = time.monotonic()
                 if res.ttft_s is None:
-                    res.ttft_s = self._step_started[slot] - job.created
+                    res.ttft_s = now - job.created
                 job._emit("step", step)
                 if job.stop_reason is not None:
-                    res.outcome = job.stop_reason
-                    break
-                if self._step_started[slot] >= job.deadline:
-                    res.outcome = job.deadline_outcome
-                    break
-            else:
+                    res.outcome, stopped = job.stop_reason, True
+                elif now >= job.deadline:
+                    res.outcome, stopped = job.deadline_outcome, True
+                return not stopped
+
+            stream.run(on_step)
+            if not stopped:
                 res.outcome = res.stats.finish_reason or "length"
         except EdgerunError as exc:
             res.outcome, res.error = "error", exc
