@@ -7,12 +7,14 @@ that is a few percent of a ~10 ms step (docs/batching.md, "Between two evaluatio
 model with `parallel` sequences in a fresh process per run, generates greedily on one slot with each Step
 handed to a uvloop event loop as the server does, times every llama_decode call (a wrapper around it), and
 reports the median gap between one decode's return and the next one's call, and the median decode.
+With --clients N, N slots generate at once (the batch's gap). Each slot's stream runs as the server runs it
+(`TokenStream.run` with a callback where the tree has it, iterated before that).
 
 With several --src trees (e.g. a git worktree of an earlier commit), runs alternate between them (one
 process each), so the machine's drift hits all alike. Writes JSON (--out) and prints a table.
 
     python bench/decode_gap.py [--model smollm2-135m-instruct] [--tokens 256] [--runs 6] [--threads 2]
-        [--src DIR] [--src DIR2] [--out bench/results/decode_gap.json]
+        [--clients 1] [--src DIR] [--src DIR2] [--out bench/results/decode_gap.json]
 """
 
 from __future__ import annotations
@@ -78,16 +80,24 @@ def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeat
 
     def run(slot, counts: list, lead: bool) -> None:
         slot.reset()
-        n = 0
-        for i, step in enumerate(slot.stream_tokens(prompt, max_tokens=tokens, temperature=0)):
-            if i == 4 and lead:                # past the prompts and the first steps
+        n = [0]
+
+        def on_step(step) -> None:
+            if n[0] == 4 and lead:             # past the prompts and the first steps
                 times["on"] = True
-            if i == tokens - 8 and lead:       # before the first sequence ends (the batch stays full)
+            if n[0] == tokens - 8 and lead:    # before the first sequence ends (the batch stays full)
                 times["on"] = False
-            n += 1
+            n[0] += 1
             defer(lambda st=step: loop.call_soon_threadsafe(got.append, st))
+
+        stream = slot.stream_tokens(prompt, max_tokens=tokens, temperature=0)
+        if hasattr(stream, "run"):             # as the server runs a slot's stream (trees since TokenStream)
+            stream.run(on_step)
+        else:
+            for step in stream:
+                on_step(step)
         flush()
-        counts.append(n)
+        counts.append(n[0])
 
     for _ in range(repeats):
         times["gaps"].clear()
