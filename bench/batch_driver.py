@@ -1,22 +1,21 @@
-"""Who steps a batch: a thread per sequence (edgerun's BatchGroup today) against one thread for all of them.
+"""Who steps a batch: a thread per sequence (BatchGroup.drive) against one thread for all of them.
 
-In `edgerun serve --parallel N` each sequence's decode loop runs on its own slot thread and the batch is
-evaluated on the engine thread (edgerun/backends/batch.py). Between two decodes every member is woken
-(a thread switch and a turn on the GIL each) and the engine is handed the next batch: docs/batching.md
-traced ~750 us per step with 4 SmolLM2 sequences, of which the members' own Python is ~40 us each. This
-bench measures what stepping every member from one thread would save, before the server is rebuilt on
-it: the same decode loop (edgerun.generate.generate on a sequence view of the same shared context), its
-`eval` switching into a greenlet hub on the engine thread instead of waiting on a condition, each Step
-handed to a uvloop event loop as the server does. Both ways run in one process, alternating round by
-round, `--clients` sequences x `--tokens` greedy tokens each.
+Driven from a thread each, every member of a batch is woken between two decodes (a thread switch and a
+turn on the GIL each) and the engine thread is handed the next batch: docs/batching.md traced ~750 us per
+step with 4 SmolLM2 sequences, of which the members' own Python is ~40 us each. This bench measured what
+stepping every member from one thread would save, before the server was rebuilt on it: the same decode
+loop (edgerun.generate.generate on a sequence view of the same shared context), its `eval` switching
+into a minimal greenlet hub on the engine thread instead of waiting on a condition, each Step handed to a
+uvloop event loop as the server does. Both ways run in one process, alternating round by round,
+`--clients` sequences x `--tokens` greedy tokens each.
 
-    pip install greenlet        # bench-only: not an edgerun dependency (yet)
     python bench/batch_driver.py [--model smollm2-135m-instruct] [--clients 4] [--tokens 128]
         [--rounds 6] [--threads 2] [--out bench/results/batch_driver.json]
 
 Prints per way the median gap between two llama_decode calls, the median decode and the round's tok/s,
-and the geometric mean of the paired ratio one thread / threads. A prototype: no admission, moves,
-drafter or cancellation (what the server would need besides is in docs/batching.md).
+and the geometric mean of the paired ratio one thread / threads. The prototype measured before the server
+was rebuilt on it (BatchGroup.run_inline, docs/batching.md "One thread steps the batch"): no admission,
+moves, drafter or cancellation here.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ def main() -> None:
         import greenlet
         import uvloop
     except ImportError as e:
-        print(f"error: this bench needs greenlet and uvloop ({e}); pip install greenlet uvloop", file=sys.stderr)
+        print(f"error: this bench needs greenlet and uvloop ({e}); pip install -e '.[serve]'", file=sys.stderr)
         raise SystemExit(2)
 
     import edgerun
