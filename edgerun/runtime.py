@@ -419,9 +419,9 @@ class TokenStream:
 
     Iterating runs the decode loop on the iterating thread (in a batching group, as a member with a thread
     of its own: BatchGroup.drive). run(on_step) calls on_step(step) for each Step until it returns False or
-    the generation ends; in a batching group the loop then runs on the engine thread, which steps every
-    such member itself (BatchGroup.run_inline, the server's slots), so on_step must be quick there (wrap a
-    wait in backends.batch.blocking). Either way closing or stopping it rolls the caches back to what was
+    the generation ends; in a batching group a loop that runs beside others runs on the engine thread,
+    which steps every such member itself (BatchGroup.run, the server's slots), so on_step must be quick
+    there (wrap a wait in backends.batch.blocking). Either way closing or stopping it rolls the caches back to what was
     committed. A stream runs once."""
 
     def __init__(self, runtime: Runtime, args: tuple) -> None:

@@ -187,8 +187,8 @@ class BatchGroup:
         each with its rows, collects the next ones and evaluates them with no thread switch between two
         decodes (docs/batching.md, "One thread steps the batch"). on_step runs on the engine thread: it must
         not block (wrap a wait in blocking(), which parks the member and runs the wait on this thread).
-        Members of drive() and of run_inline() may share a group; they are then evaluated in separate
-        batches. Needs greenlet (steps_inline); the caller falls back to drive() without it."""
+        Members of drive() and of run_inline() may share a group: the hub takes drive()'s posted rows into
+        its batches. Needs greenlet (steps_inline); run() falls back to drive() without it."""
         if self._hub is None:
             raise RuntimeError("run_inline needs the greenlet package (BatchGroup.steps_inline)")
         m = _Member(steps, on_step)
@@ -309,10 +309,7 @@ class BatchGroup:
         if _greenlet is not None:
             me = _greenlet.getcurrent()
             if type(me) is _MemberGreenlet:     # a member stepped by the engine thread: post, and switch to it
-                out = me.parent.switch(("eval", view, tokens, k))
-                if type(out) is _Failed:
-                    raise out.exc
-                return out
+                return _to_hub(me, ("eval", view, tokens, k))
         if self._claim_alone():
             return self._eval_alone(view, tokens, k)
         req = _Request(view, tokens, k)
@@ -473,7 +470,12 @@ def blocking(fn: Callable):
     me = _greenlet.getcurrent()
     if type(me) is not _MemberGreenlet:
         return fn()
-    out = me.parent.switch(("park", fn))
+    return _to_hub(me, ("park", fn))
+
+
+def _to_hub(me, msg: tuple):
+    """Switch from a member's greenlet to the hub with msg; what the hub hands back (raised if a _Failed)."""
+    out = me.parent.switch(msg)
     if type(out) is _Failed:
         raise out.exc
     return out
@@ -553,8 +555,7 @@ class _Hub:
         # ids read now: a move may have changed them
         rows = [(view.seq, toks, k) for _, view, toks, k in posted] + [(r.view.seq, r.tokens, r.k) for r in theirs]
         try:
-            with g._engine:
-                outs = g._timed(batch, rows)
+            outs = g._evaluate(batch, rows)
         except BaseException as exc:             # every row of a failed batch gets the error
             outs = [_Failed(exc)] * len(rows)
         g.n_steps += 1
