@@ -360,6 +360,49 @@ def test_a_running_sequence_moved_to_a_free_id_goes_on_as_alone(tiny_llama, draf
         assert slots[2].generate(PROMPTS[2], **kw).text == alone[2]
 
 
+def test_a_waiting_move_ends_when_its_sequence_ends_or_is_cancelled(tiny_llama):
+    """A move waits for the group's next step. When no step comes because the sequence to move is the only
+    member and its consumer holds a Step, the move must not wait out its timeout: it ends unapplied as soon
+    as that sequence ends, or when cancel_moves() is called (the server's submit does, so that a freed slot
+    takes a new job at once instead of holding it for the move). The sequence goes on as alone. Before
+    this, a burst of requests that came right after the last one ended waited ~0.1 s for such a move."""
+    rt = _load(tiny_llama, 4)
+    with rt:
+        kw = dict(max_tokens=12, temperature=0)
+        alone = rt.generate(PROMPTS[2], **kw).text
+        slots = rt.slots()
+        group = slots[0].group
+        src, dst = slots[2].batch_views(), slots[1].batch_views()
+        assert not group.move(src, dst, timeout_s=60)            # no member: False at once
+
+        def move_in_thread() -> tuple[threading.Thread, list]:
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(group.move(src, dst, timeout_s=60)), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 30
+            while not group._moves and t.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert group._moves, "the move did not wait for a step"
+            return t, got
+
+        for ending in ("cancelled", "ended"):
+            stream = slots[2].stream_tokens(rt.tokenize(PROMPTS[2]), **kw)
+            text = [next(stream).text]                # the consumer holds a Step: no step comes
+            t, got = move_in_thread()
+            if ending == "cancelled":
+                group.cancel_moves()
+                t.join(30)
+                assert got == [False]
+                text += [step.text for step in stream]     # it goes on, unmoved
+                assert "".join(text) == alone
+            else:
+                stream.close()                            # the sequence ends: nothing left to move
+                t.join(30)
+                assert got == [False]
+            assert not t.is_alive() and not group._moves and group.n_moves == 0
+            assert [v.seq for v in src] == [2] and [v.seq for v in dst] == [1]
+
+
 def test_move_seq_moves_the_cache_and_the_token_lists(four_seqs):
     """The backend half of a move: sequence 2's cache now answers as sequence 1 (the same logits as before
     the move, from the reference context), sequence 2 is empty, and the token lists went with the caches."""

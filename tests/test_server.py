@@ -704,6 +704,47 @@ def test_a_request_runs_on_the_packed_slot_with_the_prefix_another_slot_holds(ti
             assert list(sch.slots[1].target.tokens) == caches[1]                  # slot 1 untouched
 
 
+def test_a_request_cancels_a_move_that_waits_for_a_step(tiny_llama):
+    """A slot freed by a finished job may wait, holding the dispatch lock, for a move that closes the gap
+    in the busy sequence ids (Scheduler._compact). A move is applied at the next step, and when none comes
+    (every running sequence's consumer is away) the new request must not wait for it: submit cancels the
+    move and the request runs at once. Here the move is made as _compact makes it, with sequence 0 parked
+    after its first token."""
+    model = str(tiny_llama)
+    body = {"model": model, "max_tokens": 8, "temperature": 0}
+    with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
+        alone = {p: rt.generate(p, max_tokens=8, temperature=0).text for p in ("first", "second")}
+    holder, out = {}, {}
+    with InProcessServer(ServerConfig(model=model), _loader(tiny_llama, holder, parallel=2)) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        rt, sch = holder["rt"], srv.state.scheduler
+        group = sch.slots[0].group
+        parked = threading.Event()
+
+        class Meter(threading.Semaphore):              # each token after the first waits for a permit
+            def acquire(self, *a, **kw):
+                parked.set()
+                return super().acquire(*a, **kw)
+        rt.meter = Meter(0)
+        first = _post_in_thread(srv.url, COMPL, {**body, "prompt": "first"}, out, "first")
+        assert parked.wait(60), "the first job never reached its second token"
+        got: list = []
+        with sch._dispatch:                            # as _compact holds it: no slot places a job meanwhile
+            mover = threading.Thread(target=lambda: got.append(
+                group.move(sch.slots[0].batch_views(), sch.slots[1].batch_views(), timeout_s=120)), daemon=True)
+            mover.start()
+            wait_until(lambda: bool(group._moves), what="the move to wait for a step")
+            second = _post_in_thread(srv.url, COMPL, {**body, "prompt": "second"}, out, "second")
+            mover.join(60)
+            assert got == [False] and group.n_moves == 0   # cancelled by the request, not timed out
+        rt.meter.release(1000)
+        first.join(60)
+        second.join(60)
+        rt.meter = None
+        assert out["first"].json()["choices"][0]["text"] == alone["first"]
+        assert out["second"].json()["choices"][0]["text"] == alone["second"]
+
+
 # --- /metrics text ---------------------------------------------------------------------------------
 
 _SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*"'

@@ -147,7 +147,9 @@ class BatchGroup:
                     steps.close()      # the loop's rollback (truncate) runs while this member counts
             finally:
                 with self._cond:
-                    self._members.pop(me, None)
+                    views = self._members.pop(me, ())
+                    if not (keep and keep[0]):   # it has left (not gone on in run_inline): nothing to move
+                        self._drop_moves(views)
                 self._change(active=-1, running=-1)
 
     def run(self, steps: Iterator, on_step: Callable, views: Sequence["SeqBackend"] = ()) -> None:
@@ -228,8 +230,9 @@ class BatchGroup:
         member waits for an evaluation or holds a Step, before the evaluation. The caches move (a state copy,
         ~1 ms per 100 positions), and the views swap ids: src's now name dst's former ids, whose caches they
         hold, and dst's the former ids of src, left empty. The caller owns dst (an idle slot: nothing else
-        uses it meanwhile). False when src is not a member's views (not joined yet, or ended), the copy
-        failed, or no step came within timeout_s (then nothing moved).
+        uses it meanwhile). False when src is not a member's views (not joined yet, or ended: at once, and
+        as soon as the member leaves while the move waits), the copy failed, the move was cancelled
+        (cancel_moves) or no step came within timeout_s; then nothing moved.
 
         What it is for: with one KV stream per sequence llama.cpp splits a batch at every gap in the ids, so
         busy sequences 0 and 2 cost two passes over the weights where 0 and 1 cost one (gapfill.py); the
@@ -240,6 +243,8 @@ class BatchGroup:
         mv = _Move(src, dst)
         deadline = time.monotonic() + timeout_s
         with self._cond:
+            if tuple(map(id, src)) not in {tuple(map(id, v)) for v in self._members.values()}:
+                return False
             self._moves.append(mv)
             while not mv.done:
                 left = deadline - time.monotonic()
@@ -248,6 +253,27 @@ class BatchGroup:
                     return False
                 self._cond.wait(left)
         return mv.ok
+
+    def cancel_moves(self) -> None:
+        """End every move still waiting for a step, unapplied (move() returns False). The scheduler cancels
+        them when a job arrives: the slot a move would fill takes the job at once instead of holding its
+        admission for a step."""
+        with self._cond:
+            self._drop_moves(None)
+
+    def _drop_moves(self, views) -> None:
+        """With the condition held: end the waiting moves of the member whose views these are (it has left:
+        no step will move it), or all of them (views None), unapplied."""
+        key = None if views is None else tuple(map(id, views))
+        keep = []
+        for mv in self._moves:
+            if key is None or tuple(map(id, mv.src)) == key:
+                mv.done = True
+            else:
+                keep.append(mv)
+        if len(keep) != len(self._moves):
+            self._moves = keep
+            self._cond.notify_all()
 
     def _apply_moves(self) -> None:
         """Run the requested moves (called by _execute with the condition held, no member running Python)."""
@@ -577,7 +603,7 @@ class _Hub:
         g = self.group
         with g._cond:
             g._hub_active -= 1
-            g._members.pop(m, None)
+            g._drop_moves(g._members.pop(m, ()))
             g._cond.notify_all()
         m.glet = None
         m.mail.release()                         # task is None: the end

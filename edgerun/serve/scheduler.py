@@ -219,6 +219,9 @@ class Scheduler:
                                 f"busy; retry later", self.retry_after())
             self._waiting.append(job)
             self._cond.notify_all()
+            group = getattr(self.slots[0], "group", None) if len(self.slots) > 1 else None
+        if group is not None:       # a slot freed by a finished job may be holding for a move (_compact):
+            group.cancel_moves()    # it takes this job now instead, as it would had the job come first
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: a waiting one leaves the queue at once, a running one stops after its current step."""
@@ -428,7 +431,8 @@ class Scheduler:
         0 and 1 in one (docs/batching.md has the cost). The idle slot's own cache goes to the prompt cache
         first when a restore would pay; a sequence that is still being placed (not joined) is not moved. Not
         while jobs wait: the freed slot takes one at once (a move would hold its admission for a step), and
-        the packing of _affinity places it."""
+        the packing of _affinity places it; a job that comes while a move waits for its step cancels it
+        (submit), and a move whose sequence ends meanwhile ends with it (BatchGroup.move)."""
         seq = self._seq_id
         with self._dispatch:
             for _ in range(len(self.slots)):
