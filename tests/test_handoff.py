@@ -3,6 +3,7 @@
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -102,3 +103,72 @@ def test_a_jobs_steps_reach_its_event_loop_in_order_before_its_end():
 
     got = asyncio.run(main())
     assert got == [("step", i) for i in range(5)] + [("end", "done")]
+
+
+def test_job_events_reach_the_loop_in_order_without_a_lost_wake():
+    """JobEvents (the job's channel to its event loop): events put by another thread arrive in order, and
+    one put just after the loop found the channel empty but before it registered as waiting (the race an
+    eager-sleeping reader loses: the event would wait for the deadline) is delivered at once."""
+    import random
+
+    from edgerun.serve.scheduler import JobEvents
+
+    class RacyLoop:                              # puts an event inside get_until's window, deterministically
+        def __init__(self, loop):
+            self.loop, self.inject = loop, []
+
+        def create_future(self):
+            while self.inject:
+                ev.put(self.inject.pop())
+            return self.loop.create_future()
+
+        def __getattr__(self, name):
+            return getattr(self.loop, name)
+
+    n = 2000
+
+    async def main():
+        nonlocal ev
+        racy = RacyLoop(asyncio.get_running_loop())
+        ev = JobEvents(racy)
+        racy.inject.append("raced")
+        first = await asyncio.wait_for(ev.get_until(time.monotonic() + 60), 10)
+        rnd = random.Random(7)
+
+        def produce():
+            for i in range(n):
+                for _ in range(rnd.randrange(200)):
+                    pass
+                ev.put(i)
+        th = threading.Thread(target=produce)
+        th.start()
+        got = [await asyncio.wait_for(ev.get_until(time.monotonic() + 60), 30) for _ in range(n)]
+        th.join()
+        ev.close()
+        return first, got
+
+    ev = None
+    first, got = asyncio.run(main())
+    assert first == "raced" and got == list(range(n))
+
+
+def test_job_events_wait_until_the_deadline_and_rearm_when_it_moves():
+    """get_until raises TimeoutError once its deadline passes with nothing come; a later wait with another
+    deadline gets what comes meanwhile; get_nowait raises QueueEmpty on an empty channel."""
+    from edgerun.serve.scheduler import JobEvents
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ev = JobEvents(loop)
+        with pytest.raises(asyncio.QueueEmpty):
+            ev.get_nowait()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ev.get_until(time.monotonic() + 0.05), 30)
+        loop.call_later(0.05, lambda: threading.Thread(target=ev.put, args=("late",)).start())
+        got = await asyncio.wait_for(ev.get_until(time.monotonic() + 60), 30)
+        ev.put("now")
+        assert ev.get_nowait() == "now"
+        ev.close()
+        return got
+
+    assert asyncio.run(main()) == "late"

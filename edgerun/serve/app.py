@@ -322,6 +322,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         finally:
             if not handed_over:
                 watcher.cancel()
+                job.events.close()
                 if not job.finished:
                     state.scheduler.cancel(job)
 
@@ -523,6 +524,7 @@ async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
         event = await _wait_event(state, job)
     if event[0] == "end":
         job.finished = True
+        job.events.close()
     return event
 
 
@@ -530,26 +532,18 @@ async def _wait_event(state: _State, job: Job) -> tuple[str, Any]:
     slack = 60.0 + state.config.shutdown_grace_s
     while True:
         now = time.monotonic()
-        timeout = job.deadline - now + 0.01 if now < job.deadline else job.deadline + slack - now
-        if timeout <= 0:
+        until = job.deadline + 0.01 if now < job.deadline else job.deadline + slack
+        if until <= now:
+            job.events.close()
             state.scheduler.cancel(job, "timeout")
             raise APIError(504, "generation stalled past the request's time limit", type="server_error",
                            code="timeout")
         try:
-            event = await _get_within(job.events, timeout)
+            event = await job.events.get_until(until)
         except asyncio.TimeoutError:
             state.scheduler.expire(job)      # queued past the deadline: its end event follows
             continue
         return event
-
-
-if hasattr(asyncio, "timeout"):            # Python 3.11+: a deadline on the current task, no extra task
-    async def _get_within(queue: asyncio.Queue, timeout: float):
-        async with asyncio.timeout(timeout):
-            return await queue.get()
-else:                                      # pragma: no cover - Python 3.10
-    async def _get_within(queue: asyncio.Queue, timeout: float):
-        return await asyncio.wait_for(queue.get(), timeout=timeout)
 
 
 async def _cancel_on_disconnect(request, scheduler: Scheduler, job: Job) -> None:
@@ -680,6 +674,7 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
         yield b"data: [DONE]\n\n"
     finally:
         watcher.cancel()
+        job.events.close()
         if not job.finished:
             state.scheduler.cancel(job)
 

@@ -77,6 +77,81 @@ class JobResult:
         return {"eos": "stop", "stop": "stop"}.get(self.outcome, "length")
 
 
+class JobEvents:
+    """A job's events, from the thread that runs it to the event loop that answers it: put() from any
+    thread, get_until() on the loop. An asyncio.Queue fed by call_soon_threadsafe and read under an
+    asyncio.timeout cost the loop a callback, a timer and a getter future per token, CPU that on a 2-core
+    board comes out of the model's evaluation running beside it (docs/batching.md); here a token costs a
+    deque append, the loop is woken only while it waits (once per wait), and one deadline timer per job
+    is re-armed only when the deadline changes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+        self._woken: asyncio.Future | None = None   # the waiter a wake was sent to (one per wait)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None     # the monotonic time the timer rings for
+
+    def put(self, item) -> None:
+        """Hand an event over (any thread). RuntimeError if the loop is closed."""
+        self._items.append(item)
+        waiter = self._waiter                    # set by get_until before it re-checks the items: no lost wake
+        if waiter is not None and self._woken is not waiter:
+            self._woken = waiter
+            self._loop.call_soon_threadsafe(_wake, waiter)
+
+    def get_nowait(self):
+        """The next event; asyncio.QueueEmpty if none has come."""
+        try:
+            return self._items.popleft()
+        except IndexError:
+            raise asyncio.QueueEmpty from None
+
+    async def get_until(self, when: float):
+        """The next event, waiting until time.monotonic() reaches `when` at most (asyncio.TimeoutError)."""
+        while True:
+            if self._items:
+                return self._items.popleft()
+            left = when - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            if self._timer_at != when and when != math.inf:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer, self._timer_at = self._loop.call_later(left, self._ring), when
+            fut = self._loop.create_future()
+            self._waiter = fut
+            if self._items:                      # came between the check above and the waiter being set
+                self._waiter = None
+                continue
+            try:
+                await fut
+            finally:
+                if self._waiter is fut:
+                    self._waiter = None
+
+    async def get(self):
+        """The next event, however long it takes."""
+        return await self.get_until(math.inf)
+
+    def close(self) -> None:
+        """Cancel the deadline timer (the job has ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._timer_at = None
+
+    def _ring(self) -> None:
+        self._timer = self._timer_at = None      # re-armed by the next wait if it rang early
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class Job:
     """One generation request. Created and awaited on the event loop; run on the worker thread."""
 
@@ -98,8 +173,8 @@ class Job:
         self.structure = dict(structure or {})
         self.created = time.monotonic()
         self.deadline = self.created + timeout_s
-        self.events: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
+        self.events = JobEvents(self._loop)
         self._stop_reason: str | None = None       # set once: cancelled | shutdown
         self.deadline_outcome = "timeout"          # how reaching the deadline is reported
         self._stop_lock = threading.Lock()
@@ -129,7 +204,7 @@ class Job:
 
     def _post(self, kind: str, payload: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.events.put((kind, payload))
         except RuntimeError:          # the event loop is closed: nobody is listening any more
             log.debug("dropped %s event of a job whose event loop is closed", kind)
 
