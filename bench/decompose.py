@@ -133,12 +133,6 @@ def edgerun_child(trace_path: str, argv: list[str]) -> None:
     sys.exit(main(argv))
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
-    import psutil
-
-    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
-
-
 def split(readings: list[dict], trace: np.ndarray) -> list[dict]:
     """Per reading: pre, eval, gaps, post (seconds) and the number of evaluations."""
     out = []
@@ -193,6 +187,7 @@ def main() -> None:
     import httpx
 
     from batch import Proc, free_port, one_request
+    from pair import thread_cpu
     from edgerun.registry.cache import resolve_model
     from serve import PROMPTS
 

@@ -524,7 +524,6 @@ async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
         event = await _wait_event(state, job)
     if event[0] == "end":
         job.finished = True
-        job.events.close()
     return event
 
 
@@ -534,7 +533,6 @@ async def _wait_event(state: _State, job: Job) -> tuple[str, Any]:
         now = time.monotonic()
         until = job.deadline + 0.01 if now < job.deadline else job.deadline + slack
         if until <= now:
-            job.events.close()
             state.scheduler.cancel(job, "timeout")
             raise APIError(504, "generation stalled past the request's time limit", type="server_error",
                            code="timeout")

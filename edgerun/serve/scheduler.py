@@ -173,8 +173,7 @@ class Job:
         self.structure = dict(structure or {})
         self.created = time.monotonic()
         self.deadline = self.created + timeout_s
-        self._loop = asyncio.get_running_loop()
-        self.events = JobEvents(self._loop)
+        self.events = JobEvents(asyncio.get_running_loop())
         self._stop_reason: str | None = None       # set once: cancelled | shutdown
         self.deadline_outcome = "timeout"          # how reaching the deadline is reported
         self._stop_lock = threading.Lock()
