@@ -68,6 +68,7 @@ class Tokenizer:
         tmpl = lib.llama_model_chat_template(model.ptr, None)
         self.chat_template: str | None = tmpl.decode("utf-8") if tmpl else None
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
         self._fingerprint: str | None = None
         self._texts: list[str] | None = None
         self._max_bytes: int | None = None
@@ -100,7 +101,10 @@ class Tokenizer:
 
     def is_eog(self, token: int) -> bool:
         """End of generation: EOS, EOT (e.g. <|im_end|>) and the model's other end tokens."""
-        return bool(llama_lib.lib().llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog.get(token)             # asked twice a generated token: a call into llama.cpp once per id
+        if eog is None:
+            eog = self._eog[token] = bool(llama_lib.lib().llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     # -- text <-> tokens ----------------------------------------------------------------------
     @property

@@ -10,6 +10,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from ..errors import ContextOverflow, InvalidArgument
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -65,9 +67,9 @@ class MultiSequenceBackend(Backend, Protocol):
 
 
 def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) -> tuple[list[int], int]:
-    """The argument checks every backend's eval makes. Returns (tokens as ints, k logits rows to return)."""
-    from ..errors import ContextOverflow, InvalidArgument
-
+    """The argument checks every backend's eval makes. Returns (tokens as ints, k logits rows to return).
+    Called once a token on a lone client's path: keep it lean (no import here, ~30 µs a call right after an
+    evaluation has pushed the interpreter out of the caches)."""
     toks = [int(t) for t in tokens]
     n = len(toks)
     k = n if n_logits is None else max(0, min(n_logits, n))

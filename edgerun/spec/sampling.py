@@ -98,7 +98,7 @@ def penalised(sampling: SamplingArgs) -> bool:
 
 def greedy_token(logits: np.ndarray, sampling: SamplingArgs, context: Sequence[int] = ()) -> int:
     """The token greedy decoding picks: argmax after the repetition penalty (all of dist()'s mass)."""
-    return int(np.argmax(apply_repeat_penalty(logits, context, sampling)))
+    return int(apply_repeat_penalty(logits, context, sampling).argmax())
 
 
 def _top_k(x: np.ndarray, k: int) -> np.ndarray:
