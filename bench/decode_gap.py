@@ -6,7 +6,9 @@ sampling, the Step and its hand-off to the event loop, and the next evaluation's
 that is a few percent of a ~10 ms step (docs/batching.md, "Between two evaluations"). This bench loads the
 model with `parallel` sequences in a fresh process per run, generates greedily on one slot with each Step
 handed to a uvloop event loop as the server does, times every llama_decode call (a wrapper around it), and
-reports the median gap between one decode's return and the next one's call, and the median decode.
+reports the median gap between one decode's return and the next one's call, the median decode, and the CPU
+time per generated token of the slots' threads and of the event loop's thread (thread CPU clocks): Python
+that, on a 2-core board whose cores both run the model, comes out of the evaluations beside it.
 With --clients N, N slots generate at once (the batch's gap). Each slot's stream runs as the server runs it
 (`TokenStream.run` with a callback where the tree has it, iterated before that).
 
@@ -14,7 +16,7 @@ With several --src trees (e.g. a git worktree of an earlier commit), runs altern
 process each), so the machine's drift hits all alike. Writes JSON (--out) and prints a table.
 
     python bench/decode_gap.py [--model smollm2-135m-instruct] [--tokens 256] [--runs 6] [--threads 2]
-        [--clients 1] [--src DIR] [--src DIR2] [--out bench/results/decode_gap.json]
+        [--clients 1] [--parallel 4] [--src DIR] [--src DIR2] [--out bench/results/decode_gap.json]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeat
     """One process: `repeats` rounds of `clients` generations at once (slots 0..clients-1, a thread each);
     per round the median gap and decode, and the round's tokens per second of wall time."""
     sys.path.insert(0, src)
+    import asyncio
     import threading
     import time
 
@@ -78,8 +81,9 @@ def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeat
     got: list = []
     out = []
 
-    def run(slot, counts: list, lead: bool) -> None:
+    def run(slot, counts: list, lead: bool, cpu: list) -> None:
         slot.reset()
+        c0 = time.thread_time()
         n = [0]
 
         def on_step(step) -> None:
@@ -97,23 +101,31 @@ def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeat
             for step in stream:
                 on_step(step)
         flush()
+        cpu.append(time.thread_time() - c0)
         counts.append(n[0])
+
+    async def loop_cpu() -> float:
+        return time.thread_time()
 
     for _ in range(repeats):
         times["gaps"].clear()
         times["decodes"].clear()
         times["last"] = None
         counts: list = []
-        ths = [threading.Thread(target=run, args=(s, counts, i == 0)) for i, s in enumerate(slots)]
+        cpu: list = []
+        ths = [threading.Thread(target=run, args=(s, counts, i == 0, cpu)) for i, s in enumerate(slots)]
+        lc0 = asyncio.run_coroutine_threadsafe(loop_cpu(), loop).result()
         t0 = time.perf_counter()
         for th in ths:                             # as slot threads: not the thread that loaded
             th.start()
         for th in ths:
             th.join()
         wall = time.perf_counter() - t0
+        lc1 = asyncio.run_coroutine_threadsafe(loop_cpu(), loop).result()
         out.append({"gap_us": 1e6 * float(np.median(times["gaps"])),
                     "decode_ms": 1e3 * float(np.median(times["decodes"])), "n": len(times["gaps"]),
-                    "tok_s": sum(counts) / wall})
+                    "tok_s": sum(counts) / wall, "slot_cpu_us_per_token": 1e6 * sum(cpu) / sum(counts),
+                    "loop_cpu_us_per_token": 1e6 * (lc1 - lc0) / sum(counts)})
     rt.close()
     return {"src": src, "runs": out}
 
@@ -157,6 +169,8 @@ def main() -> None:
             print(f"run {r + 1}/{a.runs} {s}: gaps " + " ".join(f"{x['gap_us']:.0f}" for x in runs) + " us, "
                   + " ".join(f"{x['tok_s']:.1f}" for x in runs) + " tok/s", flush=True)
     summary = {s: {"gap_us_median": statistics.median(x["gap_us"] for x in v),
+                   "slot_cpu_us_median": statistics.median(x.get("slot_cpu_us_per_token", float("nan")) for x in v),
+                   "loop_cpu_us_median": statistics.median(x.get("loop_cpu_us_per_token", float("nan")) for x in v),
                    "decode_ms_median": statistics.median(x["decode_ms"] for x in v),
                    "tok_s_median": statistics.median(x["tok_s"] for x in v), "runs": v}
                for s, v in results.items()}
@@ -164,11 +178,13 @@ def main() -> None:
     Path(a.out).write_text(json.dumps({"args": vars(a), "results": summary}, indent=2))
     print(f"\n{a.model}, {a.threads} threads, parallel {a.parallel}, {a.clients} client(s) x {a.tokens} tokens, "
           f"{a.runs} processes x {a.repeats} generations per tree\n")
-    print("| source | median gap between decodes (us) | median decode (ms) | gap / decode | tok/s (median) |")
-    print("|---|---|---|---|---|")
+    print("| source | median gap between decodes (us) | median decode (ms) | gap / decode | tok/s (median) "
+          "| slot threads' CPU per token (us) | event loop's CPU per token (us) |")
+    print("|---|---|---|---|---|---|---|")
     for s, v in summary.items():
         print(f"| {s} | {v['gap_us_median']:.0f} | {v['decode_ms_median']:.2f} | "
-              f"{v['gap_us_median'] / 1e3 / v['decode_ms_median']:.1%} | {v['tok_s_median']:.1f} |")
+              f"{v['gap_us_median'] / 1e3 / v['decode_ms_median']:.1%} | {v['tok_s_median']:.1f} "
+              f"| {v['slot_cpu_us_median']:.0f} | {v['loop_cpu_us_median']:.0f} |")
     if len(srcs) == 2:
         # paired by round: the runs of the two trees alternate, so the i-th of each share the machine's drift
         ratios = [b["tok_s"] / a_["tok_s"] for a_, b in zip(summary[srcs[0]]["runs"], summary[srcs[1]]["runs"])]
