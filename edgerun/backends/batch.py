@@ -243,7 +243,7 @@ class BatchGroup:
         mv = _Move(src, dst)
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            if tuple(map(id, src)) not in {tuple(map(id, v)) for v in self._members.values()}:
+            if _key(src) not in self._member_keys():
                 return False
             self._moves.append(mv)
             while not mv.done:
@@ -264,10 +264,10 @@ class BatchGroup:
     def _drop_moves(self, views) -> None:
         """With the condition held: end the waiting moves of the member whose views these are (it has left:
         no step will move it), or all of them (views None), unapplied."""
-        key = None if views is None else tuple(map(id, views))
+        key = None if views is None else _key(views)
         keep = []
         for mv in self._moves:
-            if key is None or tuple(map(id, mv.src)) == key:
+            if key is None or _key(mv.src) == key:
                 mv.done = True
             else:
                 keep.append(mv)
@@ -275,13 +275,17 @@ class BatchGroup:
             self._moves = keep
             self._cond.notify_all()
 
+    def _member_keys(self) -> set[tuple[int, ...]]:
+        """The _key of every member's views (with the condition held)."""
+        return {_key(v) for v in self._members.values()}
+
     def _apply_moves(self) -> None:
         """Run the requested moves (called by _execute with the condition held, no member running Python)."""
         moves, self._moves = self._moves, []
-        members = {tuple(map(id, v)) for v in self._members.values()}
+        members = self._member_keys()
         with self._engine:
             for mv in moves:
-                if tuple(map(id, mv.src)) in members:
+                if _key(mv.src) in members:
                     done = []
                     try:
                         for a, b in zip(mv.src, mv.dst):
@@ -439,6 +443,11 @@ class BatchGroup:
                 r.done = True
             self._running += len(batch)
             self._cond.notify_all()
+
+
+def _key(views) -> tuple[int, ...]:
+    """A member's views as one comparable value: the views themselves (by identity), in order."""
+    return tuple(map(id, views))
 
 
 class _Failed:
