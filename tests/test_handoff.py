@@ -2,6 +2,7 @@
 (llamacpp.on_engine) and the logits a backend returns (its own arrays, not llama.cpp's buffer)."""
 
 import asyncio
+import math
 import threading
 import time
 
@@ -172,3 +173,98 @@ def test_job_events_wait_until_the_deadline_and_rearm_when_it_moves():
         return got
 
     assert asyncio.run(main()) == "late"
+
+
+class _CountingLoop:
+    """An event loop that counts the wakes sent to it from other threads (call_soon_threadsafe)."""
+
+    def __init__(self, loop):
+        self.loop, self.wakes = loop, 0
+
+    def call_soon_threadsafe(self, *args):
+        self.wakes += 1
+        return self.loop.call_soon_threadsafe(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.loop, name)
+
+
+def _produce_while_waiting(ev, items, waiting):
+    """Put each item from another thread once the loop waits on the channel (so a put can wake it)."""
+    def go():
+        for item in items:
+            assert waiting(), "the loop never waited"
+            ev.put(item)
+    th = threading.Thread(target=go)
+    th.start()
+    return th
+
+
+@pytest.mark.parametrize("hold_s, wakes", [(0.0, 6), (3600.0, 2), (float("inf"), 1)],
+                         ids=["every-token", "held", "not-streamed"])
+def test_job_events_hold_steps_that_come_within_the_interval(hold_s, wakes):
+    """hold_s (--stream-interval): a step coming within hold_s of the last wake is held and reaches the loop
+    with the job's next event; the end is never held; math.inf holds every step until the end (an answer
+    that is not streamed). Every event arrives, in order, whatever the holding."""
+    from edgerun.serve.scheduler import JobEvents
+
+    async def main():
+        loop = _CountingLoop(asyncio.get_running_loop())
+        ev = JobEvents(loop, hold_s=hold_s)
+
+        def waiting():                       # the loop waits, and no wake has been sent to this wait yet
+            deadline = time.monotonic() + 30
+            while (ev._waiter is None or ev._woken is ev._waiter) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return ev._waiter is not None and ev._woken is not ev._waiter
+        items = [("step", i) for i in range(5)] + [("end", "done")]
+        got = []
+        if hold_s < math.inf:                 # the first step wakes the loop
+            th = _produce_while_waiting(ev, items[:1], waiting)
+            got.append(await asyncio.wait_for(ev.get(), 30))
+            await asyncio.to_thread(th.join)
+        th = _produce_while_waiting(ev, items[len(got):], waiting)   # quicker than hold_s: held, then the end
+        while len(got) < len(items):
+            got.append(await asyncio.wait_for(ev.get(), 30))
+        await asyncio.to_thread(th.join)
+        ev.close()
+        return got, loop.wakes, items
+
+    got, n_wakes, items = asyncio.run(main())
+    assert got == items
+    assert n_wakes == wakes
+
+
+def test_a_step_held_before_a_pause_is_nudged_out():
+    """A step held (it came within hold_s of the last wake) when the producer then pauses (a long step, a
+    stalled engine) still reaches the loop: once events flow, a wait arms a nudge at 2 * hold_s. Without
+    the nudge the step would wait for the job's next event, which here never comes."""
+    from edgerun.serve.scheduler import JobEvents
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ev = JobEvents(loop, hold_s=0.05)
+        held = []
+
+        def put_while_waiting(item):
+            while ev._waiter is None or ev._woken is ev._waiter:
+                time.sleep(0.001)
+            woke_at = ev._woke_at
+            ev.put(item)
+            held.append(ev._woke_at == woke_at)  # no wake was sent for it
+        th = threading.Thread(target=put_while_waiting, args=(("step", 0),))
+        th.start()
+        first = await asyncio.wait_for(ev.get(), 30)
+        await asyncio.to_thread(th.join)
+        th = threading.Thread(target=put_while_waiting, args=(("step", 1),))
+        th.start()
+        second = await asyncio.wait_for(ev.get(), 30)
+        await asyncio.to_thread(th.join)
+        ev.close()
+        return first, second, held
+
+    first, second, held = asyncio.run(main())
+    assert (first, second) == (("step", 0), ("step", 1))
+    # step 0 woke the loop; step 1 came within 50 ms of that wake and was held (on a machine so slow that
+    # it came later, it woke the loop itself and the nudge was not needed)
+    assert held[0] is False

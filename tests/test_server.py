@@ -548,6 +548,26 @@ def test_server_output_equals_the_offline_runtime(tiny_llama, parallel):
     assert body["edgerun"]["finish"] == offline.finish_reason
 
 
+@pytest.mark.parametrize("interval_ms", [0.0, 1000.0], ids=["each-token", "held"])
+def test_a_stream_carries_one_event_per_token_whatever_the_interval(tiny_llama, interval_ms):
+    """--stream-interval changes when a stream's tokens are written, not what is written: every token is
+    still its own SSE event, in order, and the text is the plain answer's. At 1000 ms the tokens after the
+    first are held and go out together (with the end, or when a nudge finds them)."""
+    model = str(tiny_llama)
+    body = {"model": model, "prompt": "the quick brown fox", "max_tokens": 20, "temperature": 0}
+    with load(model, draft=None, profile="generic-x86_64-cpu", n_ctx=CTX, n_threads=1) as rt:
+        pieces = [step.text for step in rt.stream("the quick brown fox", max_tokens=20, temperature=0)]
+    config = ServerConfig(model=model, stream_interval_ms=interval_ms)
+    with InProcessServer(config, _loader(tiny_llama, {}, parallel=2)) as srv:
+        wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, what="readiness")
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            plain = client.post(COMPL, json=body).json()
+            events = stream_events(client, COMPL, body)
+    texts = [e["choices"][0]["text"] for e in events if e["choices"] and e["choices"][0]["finish_reason"] is None]
+    assert texts == [p for p in pieces if p]
+    assert "".join(texts) == plain["choices"][0]["text"]
+
+
 @PARALLEL
 def test_speculative_stats_reach_the_response_and_metrics(tiny_llama, parallel):
     """With a drafter (prompt lookup, gamma 2) the server reports drafted/accepted tokens and gamma,

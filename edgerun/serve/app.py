@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -288,6 +289,9 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         return await _respond(state, request, req, job, chat=False)
 
     async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool, tools=()):
+        # the loop is woken for a streamed token at most once per --stream-interval (the tokens between
+        # go out together); an answer that is not streamed needs only the end
+        job.events.hold_s = config.stream_interval_ms / 1000 if req.stream else math.inf
         try:
             state.scheduler.submit(job)
         except QueueFull as e:
@@ -518,10 +522,20 @@ async def _read_json(request, limit: int) -> Any:
 async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
     """The job's next event. A job still queued at its deadline leaves the queue (503); a running one
     is stopped by the worker at its next step; one stuck longer than the deadline + slack gets 504."""
-    try:
-        event = job.events.get_nowait()       # the worker is ahead of the client: no timer, no task
-    except asyncio.QueueEmpty:
+    event = _ready_event(job)                 # the worker is ahead of the client: no timer, no task
+    if event is None:
         event = await _wait_event(state, job)
+        if event[0] == "end":
+            job.finished = True
+    return event
+
+
+def _ready_event(job: Job) -> tuple[str, Any] | None:
+    """The job's next event if it has come, else None (no waiting)."""
+    try:
+        event = job.events.get_nowait()
+    except asyncio.QueueEmpty:
+        return None
     if event[0] == "end":
         job.finished = True
     return event
@@ -643,17 +657,24 @@ async def _sse(state: _State, job: Job, first: tuple[str, Any], watcher: asyncio
                                           "logprobs": None, "finish_reason": None}]})
         event = first
         while event[0] == "step":
-            if reader is not None:
-                for ev in reader.feed(event[1].text):
-                    yield sse_data(delta_chunk(_tool_delta(ev)))
-            elif event[1].text:
-                yield text_chunk(event[1].text)
-            try:
-                event = await _next_event(state, job)
-            except APIError as err:
-                yield sse_data(err.body())
-                yield b"data: [DONE]\n\n"
-                return
+            # every step that has come goes out in one write (one ASGI message, one send): held steps
+            # (JobEvents.hold_s, --stream-interval) arrive together; each is still its own SSE event
+            parts: list[bytes] = []
+            while event is not None and event[0] == "step":
+                if reader is not None:
+                    parts.extend(sse_data(delta_chunk(_tool_delta(ev))) for ev in reader.feed(event[1].text))
+                elif event[1].text:
+                    parts.append(text_chunk(event[1].text))
+                event = _ready_event(job)
+            if parts:
+                yield b"".join(parts)
+            if event is None:
+                try:
+                    event = await _next_event(state, job)
+                except APIError as err:
+                    yield sse_data(err.body())
+                    yield b"data: [DONE]\n\n"
+                    return
         res: JobResult = event[1]
         if res.outcome in FAILED:
             yield sse_data(error_from_result(res, state.config.timeout_s, chat).body())

@@ -34,6 +34,7 @@ class ServerConfig:
     parallel: int | None = None          # generations batched at once (None: the device profile's)
     prompt_cache_mib: int = 256          # RAM for finished sequences' KV caches (serve/promptcache.py); 0: off
     timeout_s: float = 300.0             # per-request limit: queue wait + generation
+    stream_interval_ms: float = 20.0     # a streamed answer's tokens reach the socket at most this often
     max_body_bytes: int = 1 * MiB
     shutdown_grace_s: float = 10.0       # SIGTERM: how long the running generation may continue
     n_ctx: int | None = None
@@ -58,6 +59,9 @@ class ServerConfig:
             raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if not (0 <= self.stream_interval_ms <= 1000):
+            raise InvalidArgument(f"stream interval must be a number of milliseconds in 0..1000, "
+                                  f"got {self.stream_interval_ms!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
         if not (self.shutdown_grace_s >= 0 and math.isfinite(self.shutdown_grace_s)):
@@ -177,6 +181,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("timeout_s", ("--timeout",), "EDGERUN_TIMEOUT",
             "Server-side time limit per request in seconds (queue wait + generation).",
             type=click.FloatRange(0, None, min_open=True), default=300.0, env_value="300"),
+    Setting("stream_interval_ms", ("--stream-interval",), "EDGERUN_STREAM_INTERVAL_MS",
+            "Streaming: milliseconds between two writes of one answer's tokens at most; the tokens made in "
+            "between go out together, each still its own SSE event. A held token waits one decode step at "
+            "most; 0 writes every token at once.", type=click.FloatRange(0, 1000), default=20.0, env_value="20",
+            env_doc=("", "Streaming: a streamed answer's tokens are written at most every this many ms (the",
+                     "tokens made in between go out together; 0: each at once).")),
     Setting("max_body_kb", ("--max-body",), "EDGERUN_MAX_BODY_KB", "Largest request body in KiB (413 above).",
             type=click.IntRange(1, None), default=1024, env_value="1024", field="max_body_bytes",
             to_config=lambda kib: kib * 1024),
