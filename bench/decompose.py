@@ -3,9 +3,11 @@ between them, and the time before the first and after the last.
 
 Both servers run the same model, threads and context (bench/batch.py's commands) and get the same greedy
 streaming chat requests, a reading at a time (`--clients` requests at once), the order alternating. Every
-llama.cpp evaluation is timed inside each server: edgerun's llama_decode calls by a wrapper in its process,
-llama-server's llama_decode / llama_process calls by a small shared library preloaded into it (compiled here
-with the system C compiler; outermost call only). Per reading, from the client's send to its last byte:
+llama.cpp evaluation is timed inside C in each server by a small shared library (compiled here with the
+system C compiler; outermost call only): preloaded into llama-server (llama_decode / llama_process), loaded
+with ctypes in edgerun and called in place of llama_decode. edgerun's calls are also timed around the ctypes
+call, which gives the call's own cost: the time before the C function starts (a thread woken as the GIL is
+released may take the core first) and after it returns. Per reading, from the client's send to its last byte:
 
     pre   request sent -> first evaluation starts (HTTP, admission, prompt cache)
     eval  the evaluations themselves (the model's compute, and whatever else runs on the cores meanwhile)
@@ -80,6 +82,17 @@ int32_t llama_decode(void *ctx, batch_t b) {
     if (depth == 0) record(t0, now());
     return rc;
 }
+/* edgerun: loaded with ctypes (it does not interpose), handed libllama's llama_decode, called instead of it */
+static int32_t (*edgerun_real)(void *, batch_t) = 0;
+void edgerun_set_real(void *fn) { edgerun_real = (int32_t (*)(void *, batch_t)) fn; }
+int32_t edgerun_traced_decode(void *ctx, batch_t b) {
+    double t0 = now();
+    depth++;
+    int32_t rc = edgerun_real(ctx, b);
+    depth--;
+    if (depth == 0) record(t0, now());
+    return rc;
+}
 int32_t llama_process(void *ctx, int type, void *b) {
     static int32_t (*real)(void *, int, void *) = 0;
     if (!real) real = (int32_t (*)(void *, int, void *)) dlsym(RTLD_NEXT, "llama_process");
@@ -108,24 +121,33 @@ def read_trace(path: str) -> np.ndarray:
 
 
 def edgerun_child(trace_path: str, argv: list[str]) -> None:
-    """Run `edgerun <argv>` with every llama_decode call timed into trace_path (a memory-mapped file)."""
-    trace = np.memmap(trace_path, dtype=np.float64, mode="r+")
+    """Run `edgerun <argv>` with every llama_decode call timed into trace_path (a memory-mapped file) inside
+    C, by the trace library (as llama-server's are), and around the ctypes call into trace_path + ".py": the
+    difference is the ctypes call's own time, the wait for a core before the C function starts among it."""
+    import ctypes
+
+    os.environ["EDGERUN_EVAL_TRACE"] = trace_path          # read by the library's constructor
+    shim = ctypes.CDLL(os.environ["EDGERUN_DECOMPOSE_SHIM"])
+    py_trace = np.memmap(trace_path + ".py", dtype=np.float64, mode="r+")
     from edgerun import llama_lib
 
     L = llama_lib.lib()
     raw = L.llama_decode
+    shim.edgerun_set_real(ctypes.cast(raw, ctypes.c_void_p))
+    traced = shim.edgerun_traced_decode
+    traced.argtypes, traced.restype = raw.argtypes, raw.restype
     clock = time.perf_counter
 
     def timed(ctx, batch):
         t0 = clock()
         try:
-            return raw(ctx, batch)
+            return traced(ctx, batch)
         finally:
-            n = int(trace[0])
+            n = int(py_trace[0])
             if n < RECORDS:
-                trace[1 + 2 * n] = t0
-                trace[2 + 2 * n] = clock() - t0
-                trace[0] = n + 1
+                py_trace[1 + 2 * n] = t0
+                py_trace[2 + 2 * n] = clock() - t0
+                py_trace[0] = n + 1
 
     L.llama_decode = timed
     from edgerun.cli import main
@@ -195,13 +217,15 @@ def main() -> None:
     Path(work, "shim.c").write_text(SHIM)
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", f"{work}/shim.so", f"{work}/shim.c", "-ldl"], check=True)
     traces = {"edgerun": new_trace(work, "edgerun.trace"), "llama-server": new_trace(work, "llama.trace")}
+    new_trace(work, "edgerun.trace.py")
     ports = {k: free_port() for k in traces}
     servers = {
         "edgerun": Proc("edgerun", [sys.executable, __file__, "--edgerun-child", traces["edgerun"], "serve",
                                     "--model", a.model, "--draft", "none", "--parallel", str(a.parallel),
                                     "--threads", str(a.threads), "--ctx", str(a.ctx), "--port",
                                     str(ports["edgerun"]), "--queue", "64", "--timeout", "900", "--no-pull"],
-                        f"http://127.0.0.1:{ports['edgerun']}"),
+                        f"http://127.0.0.1:{ports['edgerun']}",
+                        env={**os.environ, "EDGERUN_DECOMPOSE_SHIM": f"{work}/shim.so"}),
         "llama-server": Proc("llama-server", [
             str(Path(a.llama_bin) / "llama-server"), "-m", str(resolve_model(a.model, pull=False)),
             "-t", str(a.threads), "-tb", str(a.threads), "-c", str(a.ctx * a.parallel), "-np", str(a.parallel),
@@ -261,6 +285,13 @@ def main() -> None:
             "other_threads_cpu_us_per_token": 1e6 * sum(used[2:]) / tokens,
             "readings": rows,
         }
+    c_trace, py_trace = read_trace(traces["edgerun"]), read_trace(traces["edgerun"] + ".py")
+    if len(c_trace) == len(py_trace):                      # one record each per call, in the same order
+        enter = c_trace[:, 0] - py_trace[:, 0]
+        leave = (py_trace[:, 0] + py_trace[:, 1]) - (c_trace[:, 0] + c_trace[:, 1])
+        result["servers"]["edgerun"]["ctypes_call_us"] = {
+            "enter_mean": 1e6 * float(enter.mean()), "enter_p90": 1e6 * float(np.quantile(enter, 0.9)),
+            "leave_mean": 1e6 * float(leave.mean()), "leave_p90": 1e6 * float(np.quantile(leave, 0.9))}
     e, ls = per["edgerun"], per["llama-server"]
     result["edgerun_over_llama_server"] = {
         "tok_s": paired([r["tokens"] / (r["t1"] - r["t0"]) for r in ls], [r["tokens"] / (r["t1"] - r["t0"]) for r in e]),
@@ -279,6 +310,11 @@ def main() -> None:
         print(f"| {k} | {s['tok_s_median']:.1f} | {s['wall_ms_mean']:.0f} | {s['pre_ms_mean']:.1f} | "
               f"{s['eval_ms_mean']:.0f} | {s['gaps_ms_mean']:.1f} | {s['post_ms_mean']:.1f} | {s['evals_mean']:.1f} | "
               f"{s['gap_us_per_eval']:.0f} | {s['other_threads_cpu_us_per_token']:.0f} |")
+    if "ctypes_call_us" in result["servers"]["edgerun"]:
+        c = result["servers"]["edgerun"]["ctypes_call_us"]
+        print(f"edgerun's ctypes call around llama_decode (all calls): {c['enter_mean']:.0f} µs before the C "
+              f"function starts (p90 {c['enter_p90']:.0f}), {c['leave_mean']:.0f} µs after it returns (p90 "
+              f"{c['leave_p90']:.0f})")
     for f, (g, lo, hi) in result["edgerun_over_llama_server"].items():
         print(f"edgerun / llama-server, {f}: {g:.3f} [{lo:.3f}, {hi:.3f}]")
     print(f"wrote {a.out}")
