@@ -72,27 +72,23 @@ static void record(double t0, double t1) {
     trace[0] = (double) (n + 1);
 }
 typedef struct { int32_t n_tokens; void *token, *embd, *pos, *n_seq_id, *seq_id, *logits; } batch_t;
-int32_t llama_decode(void *ctx, batch_t b) {
-    static int32_t (*real)(void *, batch_t) = 0;
-    if (!real) real = (int32_t (*)(void *, batch_t)) dlsym(RTLD_NEXT, "llama_decode");
+static int32_t timed_decode(int32_t (*fn)(void *, batch_t), void *ctx, batch_t b) {
     double t0 = now();
     depth++;
-    int32_t rc = real(ctx, b);
+    int32_t rc = fn(ctx, b);
     depth--;
     if (depth == 0) record(t0, now());
     return rc;
+}
+int32_t llama_decode(void *ctx, batch_t b) {
+    static int32_t (*real)(void *, batch_t) = 0;
+    if (!real) real = (int32_t (*)(void *, batch_t)) dlsym(RTLD_NEXT, "llama_decode");
+    return timed_decode(real, ctx, b);
 }
 /* edgerun: loaded with ctypes (it does not interpose), handed libllama's llama_decode, called instead of it */
 static int32_t (*edgerun_real)(void *, batch_t) = 0;
 void edgerun_set_real(void *fn) { edgerun_real = (int32_t (*)(void *, batch_t)) fn; }
-int32_t edgerun_traced_decode(void *ctx, batch_t b) {
-    double t0 = now();
-    depth++;
-    int32_t rc = edgerun_real(ctx, b);
-    depth--;
-    if (depth == 0) record(t0, now());
-    return rc;
-}
+int32_t edgerun_traced_decode(void *ctx, batch_t b) { return timed_decode(edgerun_real, ctx, b); }
 int32_t llama_process(void *ctx, int type, void *b) {
     static int32_t (*real)(void *, int, void *) = 0;
     if (!real) real = (int32_t (*)(void *, int, void *)) dlsym(RTLD_NEXT, "llama_process");
