@@ -351,3 +351,19 @@ def test_serve_settings_that_used_to_crash_or_open_the_api_are_refused(argv, nee
     r = CliRunner().invoke(main, ["serve", "--no-pull", "--port", "0", *argv])
     assert r.exit_code == 2 and r.output.startswith("error: ") and needle in r.output, r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("argv", [["--stream-interval", "-1"], ["--stream-interval", "nan"],
+                                  ["--stream-interval", "5000"], ["--stream-interval", "soon"]])
+def test_a_bad_stream_interval_is_refused_at_the_command_line(argv):
+    r = CliRunner().invoke(main, ["serve", "--no-pull", "--port", "0", *argv])
+    assert r.exit_code == 2 and "--stream-interval" in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("value", [-1, float("nan"), 1001, "20", True])
+def test_a_bad_stream_interval_is_refused_by_the_config(value):
+    from edgerun.errors import InvalidArgument
+    from edgerun.serve.settings import ServerConfig
+
+    with pytest.raises(InvalidArgument, match="stream interval"):
+        ServerConfig(stream_interval_ms=value)

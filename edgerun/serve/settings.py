@@ -59,8 +59,9 @@ class ServerConfig:
             raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {self.timeout_s!r}")
-        if not (0 <= self.stream_interval_ms <= 1000):
-            raise InvalidArgument(f"stream interval must be a number of milliseconds in 0..1000, "
+        if not (isinstance(self.stream_interval_ms, (int, float)) and not isinstance(self.stream_interval_ms, bool)
+                and 0 <= self.stream_interval_ms <= 1000):
+            raise InvalidArgument(f"stream interval (--stream-interval) must be a number of milliseconds in 0..1000, "
                                   f"got {self.stream_interval_ms!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise InvalidArgument(f"max_body_bytes must be an integer >= 1024, got {self.max_body_bytes!r}")
@@ -183,8 +184,8 @@ SETTINGS: tuple[Setting, ...] = (
             type=click.FloatRange(0, None, min_open=True), default=300.0, env_value="300"),
     Setting("stream_interval_ms", ("--stream-interval",), "EDGERUN_STREAM_INTERVAL_MS",
             "Streaming: milliseconds between two writes of one answer's tokens at most; the tokens made in "
-            "between go out together, each still its own SSE event. A held token waits one decode step at "
-            "most; 0 writes every token at once.", type=click.FloatRange(0, 1000), default=20.0, env_value="20",
+            "between go out together, each still its own SSE event. A held token waits for the next one, "
+            "2 x the interval at most; 0 writes every token at once.", type=click.FloatRange(0, 1000), default=20.0, env_value="20",
             env_doc=("", "Streaming: a streamed answer's tokens are written at most every this many ms (the",
                      "tokens made in between go out together; 0: each at once).")),
     Setting("max_body_kb", ("--max-body",), "EDGERUN_MAX_BODY_KB", "Largest request body in KiB (413 above).",
