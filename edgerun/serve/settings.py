@@ -185,7 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("stream_interval_ms", ("--stream-interval",), "EDGERUN_STREAM_INTERVAL_MS",
             "Streaming: milliseconds between two writes of one answer's tokens at most; the tokens made in "
             "between go out together, each still its own SSE event. A held token waits for the next one, "
-            "2 x the interval at most; 0 writes every token at once.", type=click.FloatRange(0, 1000), default=20.0, env_value="20",
+            "2 x the interval at most; 0 writes every token at once.", type=click.FloatRange(0, 1000),
+            default=20.0, env_value="20",
             env_doc=("", "Streaming: a streamed answer's tokens are written at most every this many ms (the",
                      "tokens made in between go out together; 0: each at once).")),
     Setting("max_body_kb", ("--max-body",), "EDGERUN_MAX_BODY_KB", "Largest request body in KiB (413 above).",
