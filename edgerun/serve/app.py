@@ -523,19 +523,19 @@ async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
     """The job's next event. A job still queued at its deadline leaves the queue (503); a running one
     is stopped by the worker at its next step; one stuck longer than the deadline + slack gets 504."""
     event = _ready_event(job)                 # the worker is ahead of the client: no timer, no task
-    if event is None:
-        event = await _wait_event(state, job)
-        if event[0] == "end":
-            job.finished = True
-    return event
+    return event if event is not None else _taken(job, await _wait_event(state, job))
 
 
 def _ready_event(job: Job) -> tuple[str, Any] | None:
     """The job's next event if it has come, else None (no waiting)."""
     try:
-        event = job.events.get_nowait()
+        return _taken(job, job.events.get_nowait())
     except asyncio.QueueEmpty:
         return None
+
+
+def _taken(job: Job, event: tuple[str, Any]) -> tuple[str, Any]:
+    """An event the loop has read: the end marks the job finished."""
     if event[0] == "end":
         job.finished = True
     return event
