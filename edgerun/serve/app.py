@@ -33,13 +33,14 @@ from starlette.requests import ClientDisconnect
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
 from . import promptcache
-from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
+from .clients import client_key
+from .scheduler import ClientBusy, Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
 from ..errors import ContextOverflow, EdgerunError
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
-                       max_tokens_from, reject_unsupported, sampling_from, sse_data, sse_framer, stop_from,
-                       structure_from, usage, validate)
+                       max_tokens_from, parse_body, reject_unsupported, sampling_from, sse_data, sse_framer,
+                       stop_from, structure_from, usage, validate)
 from .settings import ServerConfig
 
 
@@ -58,6 +59,7 @@ class _State:
         cache = promptcache.sized(config.prompt_cache_mib)
         self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
                                    on_load_error=self._on_load_error, on_result=self._on_result, prompt_cache=cache)
+        self.scheduler.max_per_client = config.max_per_client
         self.model_names: set[str] = {config.model}
         if "/" in config.model or config.model.endswith(".gguf"):
             self.model_names.add(Path(config.model).name)
@@ -252,6 +254,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         reject_unsupported(req)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
+        n_ctx = getattr(state.scheduler.runtime, "n_ctx", None)
+        if n_ctx and len(req.messages) > n_ctx:      # every turn takes a token at least: refuse before rendering
+            raise APIError(400, f"the conversation has {len(req.messages)} messages, more than the {n_ctx} tokens "
+                                "the context holds (every message takes at least one)", param="messages",
+                           code="context_length_exceeded")
         messages = [chat_message(m) for m in req.messages]
         _check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
         mt = max_tokens_from(req.max_tokens, "max_tokens")
@@ -259,7 +266,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
         structure, tools, choice = structure_from(req, chat=True)
         job = Job(messages=messages, max_tokens=mt, stop=stop_from(req), sampling=sampling_from(req),
-                  timeout_s=config.timeout_s, structure=structure)
+                  timeout_s=config.timeout_s, structure=structure, client=client_key(request.scope, config))
         return await _respond(state, request, req, job, chat=True, tools=tools if choice.mode != "none" else [])
 
     @app.post("/v1/completions")
@@ -285,7 +292,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             _check_fits(state, len(prompt.encode("utf-8", "surrogatepass")), chat=False)
         structure, _, _ = structure_from(req, chat=False)
         job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
-                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure)
+                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure,
+                  client=client_key(request.scope, config))
         return await _respond(state, request, req, job, chat=False)
 
     async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool, tools=()):
@@ -294,6 +302,9 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         job.events.hold_s = config.stream_interval_ms / 1000 if req.stream else math.inf
         try:
             state.scheduler.submit(job)
+        except ClientBusy as e:
+            raise APIError(429, str(e), code="too_many_requests",
+                           headers={"Retry-After": str(e.retry_after)}) from None
         except QueueFull as e:
             raise APIError(503, str(e), type="server_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
@@ -438,13 +449,13 @@ _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 def _browser_refusal(config, headers: dict) -> APIError | None:
     """Requests a web page (not the board's user) could have made: a Host that is not this server's
     loopback name (DNS rebinding) or an Origin that is not allowed (cross-site requests)."""
-    from .settings import is_loopback
+    from .settings import is_loopback, is_loopback_address
 
     if is_loopback(config.host):
         host = headers.get(b"host", b"").decode("latin-1").strip().lower()
         name = host[: host.rindex("]") + 1] if host.startswith("[") else host.split(":", 1)[0]
         allowed = _LOOPBACK_NAMES | {h.lower() for h in config.allowed_hosts} | {config.host}
-        if host and name not in allowed and not name.startswith("127."):
+        if host and name not in allowed and not is_loopback_address(name):
             return APIError(403, f"Host {name!r:.60} is not this server's name (a web page using DNS rebinding?); "
                                  "allow it with --allow-host / EDGERUN_ALLOW_HOST", code="host_not_allowed")
     origin = headers.get(b"origin", b"").decode("latin-1").strip()
@@ -506,17 +517,7 @@ async def _read_json(request, limit: int) -> Any:
     except ClientDisconnect:
         raise APIError(499, "the client closed the connection while sending the request",
                        code="client_closed_request") from None
-    raw = b"".join(chunks)
-
-    def no_constants(name: str):
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=no_constants)
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not UTF-8 text", code="invalid_json") from None
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    return parse_body(b"".join(chunks))
 
 
 async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
