@@ -12,7 +12,7 @@ import numpy as np
 from .backends import model_memory, open_backend
 from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
 from .constrain.base import Constraint
-from .constrain.grammar import compile_constraint, grammar_from_options
+from .constrain.grammar import compile_constraint, grammar_from_options, vet_grammar
 from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
     special_tag_ids, tool_grammar
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
@@ -147,6 +147,16 @@ class Runtime:
     def plan_chat(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
                   json_schema=None, grammar: str | None = None, response_format=None) -> ChatPlan:
         """Render the prompt and compile the grammar of a chat request (InvalidArgument on bad input)."""
+        shown, choice, g = self._structure(tools, tool_choice, parallel_tool_calls, json_schema, grammar,
+                                           response_format)
+        knows = self.tokenizer.template_knows_tools
+        msgs = chat_messages(messages, shown, knows)
+        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None,
+                                                   limit=self.n_ctx)
+        return ChatPlan(prompt, compile_constraint(g, self.tokenizer, self.target.n_vocab), shown, choice)
+
+    def _structure(self, tools, tool_choice, parallel_tool_calls, json_schema, grammar, response_format):
+        """(tools shown, tool choice, Grammar or None) of a request's structure options."""
         parsed = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, parsed)
         shown = parsed if choice.mode != "none" else []
@@ -154,17 +164,19 @@ class Runtime:
                 not (isinstance(response_format, dict) and response_format.get("type") == "text"):
             raise InvalidArgument("tools cannot be combined with json_schema, grammar or response_format: "
                                   "a tool call's arguments follow the tool's own parameters schema")
-        knows = self.tokenizer.template_knows_tools
-        msgs = chat_messages(messages, shown, knows)
-        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None,
-                                                   limit=self.n_ctx)
         if shown:
             g = tool_grammar(shown, choice, parallel=bool(parallel_tool_calls),
                              special_ids=special_tag_ids(self.tokenizer))
-            constraint = compile_constraint(g, self.tokenizer, self.target.n_vocab)
         else:
-            constraint = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
-        return ChatPlan(prompt, constraint, shown, choice)
+            g = grammar_from_options(json_schema=json_schema, grammar=grammar, response_format=response_format)
+        return shown, choice, g
+
+    def vet_structure(self, *, tools=None, tool_choice=None, parallel_tool_calls: bool = True, json_schema=None,
+                      grammar: str | None = None, response_format=None) -> None:
+        """Check a request's grammar (limits, then a compile in a sandbox process) without compiling it
+        here: the server calls it off the generation worker, so a bad grammar never holds the worker."""
+        _, _, g = self._structure(tools, tool_choice, parallel_tool_calls, json_schema, grammar, response_format)
+        vet_grammar(g, self.tokenizer, self.target.n_vocab)
 
     def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                       gamma=None, stats: GenStats | None = None, constraint: Constraint | None = None,

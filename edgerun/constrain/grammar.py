@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError, GrammarError, InvalidArgument
+from . import sandbox
 from .limits import LIMITS, check_lark, check_regex, check_schema, check_text
 
 log = logging.getLogger(__name__)
@@ -179,11 +181,15 @@ class _Vocab:
         self.n_vocab = n_vocab
 
 
+_vocab_lock = threading.Lock()       # the server's request threads and its worker may both ask first
+
+
 def _vocab(tokenizer, n_vocab: int) -> _Vocab:
-    per = _tokenizers.setdefault(tokenizer, {})
-    if n_vocab not in per:
-        per[n_vocab] = _Vocab(tokenizer, n_vocab)
-    return per[n_vocab]
+    with _vocab_lock:
+        per = _tokenizers.setdefault(tokenizer, {})
+        if n_vocab not in per:
+            per[n_vocab] = _Vocab(tokenizer, n_vocab)
+        return per[n_vocab]
 
 
 def special_token_name(tokenizer, text: str) -> bool:
@@ -203,17 +209,11 @@ class GrammarConstraint:
     is the one the target's verification uses."""
 
     def __init__(self, grammar: Grammar, tokenizer, n_vocab: int | None = None) -> None:
-        llg = _llguidance()
         n_vocab = n_vocab or tokenizer.n_vocab
         self._v = _vocab(tokenizer, n_vocab)
         self.grammar = grammar
-        limits = parser_limits()
-        err = llg.LLMatcher.validate_grammar(grammar.source, self._v.llt, limits=limits)
-        if err:
-            raise GrammarError(f"{grammar.what} does not compile: {_first_lines(err)}")
-        self._m = llg.LLMatcher(self._v.llt, grammar.source, log_level=0, limits=limits)
-        if self._m.is_error():
-            raise GrammarError(f"{grammar.what} does not compile: {_first_lines(self._m.get_error())}")
+        sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, self._v))
+        self._m = _matcher(grammar, self._v)
         self.n_vocab = n_vocab
         self.tokens: list[int] = []
         self._masks: list[np.ndarray | None] = [None]      # [k]: mask after tokens[:k]
@@ -290,6 +290,48 @@ class GrammarConstraint:
     def reset(self) -> None:
         self._m.reset()
         self.tokens, self._masks = [], [None]
+
+
+def _matcher(grammar: Grammar, v: _Vocab):
+    """llguidance's matcher of `grammar` under `parser_limits` (GrammarError if it does not compile)."""
+    llg = _llguidance()
+    limits = parser_limits()
+    err = llg.LLMatcher.validate_grammar(grammar.source, v.llt, limits=limits)
+    if err:
+        raise GrammarError(f"{grammar.what} does not compile: {_first_lines(err)}")
+    m = llg.LLMatcher(v.llt, grammar.source, log_level=0, limits=limits)
+    if m.is_error():
+        raise GrammarError(f"{grammar.what} does not compile: {_first_lines(m.get_error())}")
+    return m
+
+
+TRIAL_STEPS = 16
+
+
+def _trial(grammar: Grammar, v: _Vocab) -> None:
+    """What the sandbox runs: compile, then the masks along the first allowed token, TRIAL_STEPS deep."""
+    m = _matcher(grammar, v)
+    eog = set(v.eog)
+    for _ in range(TRIAL_STEPS):
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if m.is_error():
+            raise GrammarError(f"{grammar.what} fails: {_first_lines(m.get_error())}")
+        allowed = np.flatnonzero(bits[: v.n_vocab].astype(bool) & v.allowed)
+        nxt = next((int(t) for t in allowed if int(t) not in eog), None)
+        if nxt is None:
+            if len(allowed) == 0:
+                raise GrammarError(f"{grammar.what} allows no token")
+            return
+        m.consume_token(nxt)
+        if m.is_error():
+            raise GrammarError(f"{grammar.what} fails: {_first_lines(m.get_error())}")
+
+
+def vet_grammar(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) -> None:
+    """The sandbox's verdict on `grammar` for this vocabulary (GrammarError if refused), remembered."""
+    if grammar is not None:
+        v = _vocab(tokenizer, n_vocab or tokenizer.n_vocab)
+        sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, v))
 
 
 def compile_constraint(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) -> GrammarConstraint | None:

@@ -24,7 +24,7 @@ class GrammarLimits:
     max_chars: int = 256 * 1024        # a grammar's text, or a schema's JSON
     max_depth: int = 128               # schema objects nested in one another, `$ref` hops included
     max_nodes: int = 20_000            # schema objects in all
-    max_repeat: int = 10_000           # a regex's counted repetitions multiplied along their nesting
+    max_repeat: int = 2_000            # a regex's counted repetitions multiplied along their nesting
     max_regex_nesting: int = 200       # parentheses inside one regex
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -37,7 +38,7 @@ from .clients import client_key
 from .scheduler import ClientBusy, Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
-from ..errors import ContextOverflow, EdgerunError
+from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
                        max_tokens_from, parse_body, reject_unsupported, sampling_from, sse_data, sse_framer,
                        stop_from, structure_from, usage, validate)
@@ -265,6 +266,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         if req.max_completion_tokens is not None:
             mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
         structure, tools, choice = structure_from(req, chat=True)
+        await _vet(state, structure)
         job = Job(messages=messages, max_tokens=mt, stop=stop_from(req), sampling=sampling_from(req),
                   timeout_s=config.timeout_s, structure=structure, client=client_key(request.scope, config))
         return await _respond(state, request, req, job, chat=True, tools=tools if choice.mode != "none" else [])
@@ -291,6 +293,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         if isinstance(prompt, str):
             _check_fits(state, len(prompt.encode("utf-8", "surrogatepass")), chat=False)
         structure, _, _ = structure_from(req, chat=False)
+        await _vet(state, structure)
         job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
                   stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure,
                   client=client_key(request.scope, config))
@@ -428,6 +431,18 @@ class _Gate:
 
 
 
+
+
+async def _vet(state: _State, structure: dict) -> None:
+    """A request's grammar checked on a thread of its own (limits, then a sandboxed compile: see
+    constrain/sandbox.py) before it is queued: a bad one is a 400 and never reaches the worker."""
+    vet = getattr(state.scheduler.runtime, "vet_structure", None)
+    if not structure or vet is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, functools.partial(vet, **structure))
+    except InvalidArgument as e:
+        raise APIError(400, str(e), code="invalid_value") from None
 
 
 def _check_fits(state: _State, n_bytes: int, *, chat: bool) -> None:
