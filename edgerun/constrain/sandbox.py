@@ -14,6 +14,7 @@ static limits and llguidance's own limits are the only guard.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import logging
 import os
@@ -68,6 +69,7 @@ def _run(what: str, trial: Callable[[], None]) -> str | None:
     pid = os.fork()
     if pid == 0:                                   # the child: never returns
         os.close(r)
+        faulthandler.disable()                     # a crash here is the verdict, not a report for stderr
         code, message = 0, b""
         try:
             _limit_memory()
