@@ -14,6 +14,7 @@ import json
 import logging
 import re
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -306,14 +307,23 @@ def _matcher(grammar: Grammar, v: _Vocab):
 
 
 TRIAL_STEPS = 16
+MASK_CPU_S = 0.020      # one mask's CPU time at most: legitimate grammars take well under a millisecond
 
 
 def _trial(grammar: Grammar, v: _Vocab) -> None:
-    """What the sandbox runs: compile, then the masks along the first allowed token, TRIAL_STEPS deep."""
+    """What the sandbox runs: compile, then the masks along the first allowed token, TRIAL_STEPS deep,
+    each within MASK_CPU_S of CPU time (a mask is computed for every generated token, on the worker)."""
     m = _matcher(grammar, v)
     eog = set(v.eog)
     for _ in range(TRIAL_STEPS):
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        t = time.thread_time()
+        raw = m.compute_bitmask()
+        spent = time.thread_time() - t
+        if spent > MASK_CPU_S:
+            raise GrammarError(f"{grammar.what} takes {spent * 1000:.0f} ms of CPU to compute one token's mask; the "
+                               f"limit for a grammar from a request is {MASK_CPU_S * 1000:.0f} ms (fewer "
+                               "alternatives or shared definitions usually fix it)")
+        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
         if m.is_error():
             raise GrammarError(f"{grammar.what} fails: {_first_lines(m.get_error())}")
         allowed = np.flatnonzero(bits[: v.n_vocab].astype(bool) & v.allowed)

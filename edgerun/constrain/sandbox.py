@@ -36,6 +36,7 @@ CHILD_MEMORY = 1 << 30          # bytes of address space the child may add to wh
 _REMEMBERED = 512
 _verdicts: "OrderedDict[str, str | None]" = OrderedDict()     # source hash -> None (passed) or the refusal
 _lock = threading.Lock()        # the server vets on its request threads, the worker compiles on its own
+_one_child = threading.Lock()   # one sandbox child at a time: a flood of new grammars takes one core at most
 
 
 def available() -> bool:
@@ -54,7 +55,8 @@ def vet(source: str, what: str, trial: Callable[[], None]) -> None:
             _verdicts.move_to_end(key)
             refusal = _verdicts[key]
     if not known:
-        refusal = _run(what, trial)
+        with _one_child:
+            refusal = _run(what, trial)
         with _lock:
             _verdicts[key] = refusal
             while len(_verdicts) > _REMEMBERED:
@@ -70,6 +72,7 @@ def _run(what: str, trial: Callable[[], None]) -> str | None:
     if pid == 0:                                   # the child: never returns
         os.close(r)
         faulthandler.disable()                     # a crash here is the verdict, not a report for stderr
+        os.nice(10)                                # the generation worker goes first
         code, message = 0, b""
         try:
             _limit_memory()

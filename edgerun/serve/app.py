@@ -14,6 +14,7 @@ period) and the process exits 0. Errors are OpenAI-shaped JSON: {"error": {messa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import hmac
@@ -61,6 +62,9 @@ class _State:
         self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
                                    on_load_error=self._on_load_error, on_result=self._on_result, prompt_cache=cache)
         self.scheduler.max_per_client = config.max_per_client
+        # grammars are vetted on one thread of their own (constrain/sandbox.py): one child at a time, and
+        # one malloc arena instead of one per pool thread
+        self.vetting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerun-vet")
         self.model_names: set[str] = {config.model}
         if "/" in config.model or config.model.endswith(".gguf"):
             self.model_names.add(Path(config.model).name)
@@ -178,6 +182,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             yield
         finally:
             watchdog.cancel()
+            state.vetting.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(state.scheduler.stop, 30.0)
 
     app = FastAPI(title="edgerun", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -440,7 +445,7 @@ async def _vet(state: _State, structure: dict) -> None:
     if not structure or vet is None:
         return
     try:
-        await asyncio.get_running_loop().run_in_executor(None, functools.partial(vet, **structure))
+        await asyncio.get_running_loop().run_in_executor(state.vetting, functools.partial(vet, **structure))
     except InvalidArgument as e:
         raise APIError(400, str(e), code="invalid_value") from None
 
