@@ -307,18 +307,22 @@ def _matcher(grammar: Grammar, v: _Vocab):
 
 
 TRIAL_STEPS = 16
+COMPILE_CPU_S = 0.150   # compile + the trial's masks, CPU time: 30 tools with enums and patterns take ~16 ms
 MASK_CPU_S = 0.020      # one mask's CPU time at most: legitimate grammars take well under a millisecond
 
 
 def _trial(grammar: Grammar, v: _Vocab) -> None:
     """What the sandbox runs: compile, then the masks along the first allowed token, TRIAL_STEPS deep,
-    each within MASK_CPU_S of CPU time (a mask is computed for every generated token, on the worker)."""
+    within COMPILE_CPU_S of CPU time in all and MASK_CPU_S each (a mask is computed for every generated
+    token, on the worker). CPU time, not wall time: a board under load must not refuse a good grammar."""
+    t0 = time.process_time()
     m = _matcher(grammar, v)
     eog = set(v.eog)
     for _ in range(TRIAL_STEPS):
-        t = time.thread_time()
+        _within_budget(grammar, time.process_time() - t0)
+        t = time.process_time()
         raw = m.compute_bitmask()
-        spent = time.thread_time() - t
+        spent = time.process_time() - t
         if spent > MASK_CPU_S:
             raise GrammarError(f"{grammar.what} takes {spent * 1000:.0f} ms of CPU to compute one token's mask; the "
                                f"limit for a grammar from a request is {MASK_CPU_S * 1000:.0f} ms (fewer "
@@ -342,6 +346,12 @@ def vet_grammar(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) 
     if grammar is not None:
         v = _vocab(tokenizer, n_vocab or tokenizer.n_vocab)
         sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, v))
+
+
+def _within_budget(grammar: Grammar, spent: float) -> None:
+    if spent > COMPILE_CPU_S:
+        raise GrammarError(f"{grammar.what} takes more than {COMPILE_CPU_S * 1000:.0f} ms of CPU to compile, the "
+                           "limit for a grammar from a request; simplify it (fewer alternatives, rules or repetitions)")
 
 
 def compile_constraint(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) -> GrammarConstraint | None:

@@ -31,7 +31,10 @@ from ..errors import GrammarError, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-BUDGET_S = float(os.environ.get("EDGERUN_GRAMMAR_BUDGET_MS", "500")) / 1000   # compile + first masks
+# the child's wall-clock limit: a runaway inside one native call (the CPU budget of grammar.py's trial is
+# checked between calls); generous, since the child is niced and a loaded board may starve it
+BUDGET_S = float(os.environ.get("EDGERUN_GRAMMAR_TIMEOUT_MS", "5000")) / 1000
+CHILD_CPU_S = 1                 # the child's CPU seconds (a runaway inside one native call)
 CHILD_MEMORY = 1 << 30          # bytes of address space the child may add to what it inherits
 _REMEMBERED = 512
 _verdicts: "OrderedDict[str, str | None]" = OrderedDict()     # source hash -> None (passed) or the refusal
@@ -92,13 +95,17 @@ def _run(what: str, trial: Callable[[], None]) -> str | None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             log.warning("refused %s: compiling it took more than %.0f ms", what, BUDGET_S * 1000)
-            return (f"{what} takes more than {BUDGET_S * 1000:.0f} ms to compile, the limit for a grammar from a "
-                    "request; simplify it (fewer alternatives, rules or repetitions)")
+            return (f"{what} takes more than {BUDGET_S:g} s to compile (it was stopped), the limit for a grammar "
+                    "from a request; simplify it (fewer alternatives, rules or repetitions)")
         message = _read_all(r)
         _, status = os.waitpid(pid, 0)
     finally:
         os.close(r)
     log.debug("vetted %s in %.1f ms", what, (time.monotonic() - t0) * 1000)
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
+        log.warning("refused %s: compiling it used more than %d s of CPU", what, CHILD_CPU_S)
+        return (f"{what} takes more than {CHILD_CPU_S} s of CPU to compile (it was stopped), the limit for a "
+                "grammar from a request; simplify it (fewer alternatives, rules or repetitions)")
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         log.warning("refused %s: it crashed the grammar compiler in a child process (signal %d)", what, sig)
@@ -123,6 +130,7 @@ def _read_all(fd: int) -> bytes:
 
 
 def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_CPU, (CHILD_CPU_S, CHILD_CPU_S + 1))    # SIGXCPU, then SIGKILL
     try:
         with open("/proc/self/statm") as f:
             pages = int(f.read().split()[0])
