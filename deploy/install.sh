@@ -353,7 +353,8 @@ if [ "$dry" = 1 ]; then
     unit_text=""
     if [ -d "$source_spec" ]; then
         unit_text="$(PYTHONPATH="$source_spec${PYTHONPATH:+:$PYTHONPATH}" "$python" -m edgerun service print \
-            --env-file "$env_file" --exec-start "$venv/bin/edgerun serve" 2>/dev/null)" || unit_text=""
+            --env-file "$env_file" --exec-start "$venv/bin/edgerun serve" --profile "$board" 2>/dev/null)" \
+            || unit_text=""
     fi
     if [ -n "$unit_text" ]; then
         printf '%s\n' "$unit_text" | write_file "$unit_file" 0644
@@ -361,22 +362,19 @@ if [ "$dry" = 1 ]; then
         say "would write $unit_file from: $venv/bin/edgerun service print --env-file $env_file"
     fi
 else
-    "$venv/bin/edgerun" service print --env-file "$env_file" | write_file "$unit_file" 0644
+    "$venv/bin/edgerun" service print --env-file "$env_file" --profile "$board" | write_file "$unit_file" 0644
 fi
 case "$board" in
     jetson-*)
-        # DynamicUser gets no groups by default; the Jetson GPU device nodes belong to 'video'
-        # (and 'render'). Name only groups that exist: systemd refuses to start otherwise.
-        gpu_groups=""
+        # The unit of a Jetson profile names SupplementaryGroups=video render and DeviceAllow= for the GPU
+        # device nodes (edgerun/serve/systemd.py): DynamicUser's user gets no groups otherwise, and the
+        # unit's ProtectClock= closes the device cgroup to all but the listed nodes. systemd refuses to
+        # start a unit whose group does not exist: create a missing one (empty; udev's rules name it).
         for g in video render; do
-            if getent group "$g" >/dev/null; then gpu_groups="$gpu_groups $g"; fi
+            if ! getent group "$g" >/dev/null; then run groupadd --system "$g"; fi
         done
-        if [ -n "$gpu_groups" ]; then
-            run mkdir -p "$unit_file.d"
-            printf '[Service]\nSupplementaryGroups=%s\n' "${gpu_groups# }" | write_file "$unit_file.d/10-gpu.conf" 0644
-        else
-            say "warning: no 'video' group here; the service may not reach the GPU device nodes"
-        fi
+        # an older install's drop-in granted the groups alone; the unit itself does it now
+        [ -e "$unit_file.d/10-gpu.conf" ] && run rm -f "$unit_file.d/10-gpu.conf"
         ;;
 esac
 
