@@ -168,9 +168,11 @@ _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _BUFFER = re.compile(r"(\S+) model buffer size =\s*([\d.]+) MiB")
 
 
-def placement_from_log(text: str, n_layers: int) -> Placement:
-    """A Placement from llama.cpp's load log (text) of a model with n_layers blocks."""
-    gpus = {name for name, _, _ in gpu_devices()}
+def placement_from_log(text: str, n_layers: int, gpus: set[str] | None = None) -> Placement:
+    """A Placement from llama.cpp's load log (text) of a model with n_layers blocks; gpus: the names of the
+    GPU devices (default: this build's, gpu_devices())."""
+    if gpus is None:
+        gpus = {name for name, _, _ in gpu_devices()}
     used_all = _USING.findall(text)
     used = [(n, d) for n, d in used_all if n in gpus]
     buffers = tuple((n, float(m)) for n, m in _BUFFER.findall(text))
