@@ -106,12 +106,19 @@ def sampling_options(f):
 
 
 def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc=None,
-                 tensor_split=None):
+                 tensor_split=None, require_gpu=False):
     from .runtime import load
 
     return load(model, draft=draft, profile=profile_name, n_ctx=n_ctx, n_threads=n_threads,
                 n_gpu_layers=n_gpu_layers, gamma=gamma, pull=not no_pull, progress=progress_printer(),
-                rpc=rpc, tensor_split=tensor_split)
+                rpc=rpc, tensor_split=tensor_split, require_gpu=require_gpu)
+
+
+# --require-gpu of generate and chat (serve's is in serve/settings.py, with the same variable)
+require_gpu_option = click.option(
+    "--require-gpu", is_flag=True, envvar="EDGERUN_REQUIRE_GPU", show_envvar=True,
+    help="Fail (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile (Jetson, "
+         "Apple) whose GPU is not used only warns. docs/devices.md")
 
 
 def _check_cluster_options(rpc, tensor_split) -> None:
@@ -190,8 +197,10 @@ def with_structure_options(f):
 @sampling_options
 @with_structure_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
+@require_gpu_option
 def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc, tensor_split,
-             max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json):
+             max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json,
+             require_gpu):
     """Complete PROMPT (raw text; '-' reads it from stdin)."""
     from .errors import InvalidArgument
     from .runtime import parse_gamma
@@ -205,7 +214,7 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
         raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
     _check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
-                      tensor_split) as rt:
+                      tensor_split, require_gpu) as rt:
         if as_json:
             c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw)
             out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
@@ -310,8 +319,9 @@ def _complete_json(text: str) -> bool:
 @click.option("--tool-choice", default="auto", show_default=True,
               help="auto, required, none, or a tool's name (the first answer of each turn; after tool "
                    "results the model answers under 'auto').")
+@require_gpu_option
 def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc, tensor_split, max_tokens,
-         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system, tools_spec, tool_choice):
+         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system, tools_spec, tool_choice, require_gpu):
     """Interactive multi-turn chat. /reset clears history, /stats shows speed, /exit quits; Ctrl-C stops an answer."""
     from .constrain.tools import parse_tool_choice, parse_tools
 
@@ -323,7 +333,7 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
         parse_tool_choice(tool_choice, parse_tools(tools))
     _check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
-                      tensor_split) as rt:
+                      tensor_split, require_gpu) as rt:
         base = [{"role": "system", "content": system}] if system else []
         messages = list(base)
         click.echo(f"edgerun chat - {rt.model_name}" + (f" (draft: {rt.draft_name})" if rt.draft_name else "")
@@ -508,11 +518,15 @@ def service() -> None:
 @click.option("--watchdog-sec", type=int, default=60, show_default=True, help="WatchdogSec= of the unit.")
 @click.option("--exec-start", default=None,
               help="ExecStart= command (default: this installation's `edgerun serve`).")
-def service_print(env_file, watchdog_sec, exec_start):
+@click.option("--profile", "profile_name", default="auto", show_default=True,
+              help="Device profile: a Jetson's adds the GPU's groups and device nodes ('auto' detects the board).")
+def service_print(env_file, watchdog_sec, exec_start, profile_name):
     """Print the systemd unit for this installation (paths filled in)."""
+    from .device.detect import resolve
     from .serve.systemd import render_unit
 
-    click.echo(render_unit(exec_start, env_file=env_file, watchdog_sec=watchdog_sec), nl=False)
+    click.echo(render_unit(exec_start, env_file=env_file, watchdog_sec=watchdog_sec,
+                           profile=resolve(profile_name)[0]), nl=False)
 
 
 @service.command("build-flags")
@@ -551,38 +565,52 @@ def _profile_lines(prof, why: str | None) -> list[str]:
     return lines
 
 
+_model_option = click.option("--model", "-m", default=None,
+                             help="Also load this model's weights (cached name or .gguf; no download) and show "
+                                  "where its layers land.")
+
+
 @profile_group.command("show")
 @click.argument("name", default="auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole profile as JSON.")
-def profile_show(name, as_json):
+@_model_option
+def profile_show(name, as_json, model):
     """Show a profile (NAME, a YAML path, or 'auto' for the detected one)."""
     from .device.detect import resolve
 
+    from .device.gpu import status_for, status_lines
+
     prof, why = resolve(name)
+    st = status_for(prof, model)
     if as_json:
-        click.echo(json.dumps({**prof.to_dict(), "reason": why}, indent=1))
+        click.echo(json.dumps({**prof.to_dict(), "reason": why, "gpu": st.to_dict()}, indent=1))
     else:
-        click.echo("\n".join(_profile_lines(prof, why)))
+        click.echo("\n".join(_profile_lines(prof, why) + status_lines(st)))
 
 
 @profile_group.command("detect")
 @click.option("--root", default=None, help="Read the board's identity files under this directory "
               "(default: $EDGERUN_DEVICE_ROOT, else /).")
 @click.option("--json", "as_json", is_flag=True, help="Print the chosen profile, the reason and the facts as JSON.")
-def profile_detect(root, as_json):
-    """Detect the device and say which profile fits and why."""
+@_model_option
+def profile_detect(root, as_json, model):
+    """Detect the device and say which profile fits and why, and where llama.cpp's layers run."""
     import dataclasses
 
     from .device.detect import detect, gather_facts
+    from .device.gpu import status_for, status_lines
 
     prof, why = detect(root)
     facts = dataclasses.asdict(gather_facts(root))
+    st = status_for(prof, model)
     if as_json:
-        click.echo(json.dumps({"profile": prof.name, "reason": why, "facts": facts}, indent=1))
+        click.echo(json.dumps({"profile": prof.name, "reason": why, "facts": facts, "gpu": st.to_dict()}, indent=1))
     else:
         click.echo(f"{prof.name}\n  because: {why}")
         for k, v in facts.items():
             click.echo(f"  {k}: {v}")
+        for line in status_lines(st):
+            click.echo(f"  {line}")
 
 
 @profile_group.command("list")

@@ -234,6 +234,7 @@ class LlamaCppBackend:
         self._model = llama_lib.Model.load(path, n_gpu_layers=args.n_gpu_layers,
                                            use_mmap=args.use_mmap, use_mlock=args.use_mlock, cluster=cluster)
         self.cluster = cluster
+        self.placement = self._model.placement     # where the layers went (edgerun/device/gpu.py)
         self.path = self._model.path
         self.name = f"llama.cpp:{self.path.name}"
         self.tokenizer = Tokenizer(self._model)

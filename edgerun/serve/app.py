@@ -228,6 +228,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         else:
             body, status = {"status": "ok", "model": state.model_id, "queue_depth": sch.depth, "busy": sch.busy,
                             "integrity": state.integrity}, 200
+            body["gpu"] = _gpu_dict(sch.runtime)         # where the target's layers run (device/gpu.py)
         headers = {"Retry-After": "5"} if status == 503 else {}
         return JSONResponse(body, status_code=status, headers=headers)
 
@@ -242,7 +243,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                                     batch=(group.n_steps, group.n_rows, group.eval_s, group.n_moves) if group is not None
                                     else (0, 0, 0.0, 0),
                                     prompt_cache=(pc.hits, pc.saved_positions, pc.nbytes, len(pc)) if pc is not None
-                                    else (0, 0, 0, 0))
+                                    else (0, 0, 0, 0),
+                                    gpu=_gpu_dict(sch.runtime))
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -352,6 +354,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     return app
 
 
+def _gpu_dict(runtime) -> dict | None:
+    gpu = getattr(runtime, "gpu", None)
+    return gpu.to_dict() if gpu is not None else None
+
+
 def default_loader(config: ServerConfig) -> Callable[[], Any]:
     def load():
         from ..runtime import load as load_runtime
@@ -359,6 +366,7 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
         opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
                 if v is not None}
         opts["parallel"] = config.parallel          # None: the device profile's
+        opts["require_gpu"] = config.require_gpu
         if config.rpc:
             opts.update(rpc=list(config.rpc), tensor_split=list(config.tensor_split) or None,
                         on_lost_worker=_exit_lost_worker)

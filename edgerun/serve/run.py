@@ -34,6 +34,11 @@ def precheck(config: ServerConfig) -> None:
     from ..registry.manifest import get_manifest
     from ..registry.cache import resolve_model
 
+    if config.require_gpu:             # a llama.cpp without a GPU fails before the socket is bound
+        from ..device import gpu
+        from ..device.detect import resolve
+
+        gpu.enforce(gpu.check(resolve(config.profile)[0], require=True), True)
     if config.rpc:                     # the workers answer and speak our protocol (asked in a child process)
         from ..cluster.rpc import parse_endpoints
         from ..cluster.status import require_all, status

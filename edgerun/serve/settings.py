@@ -49,6 +49,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides the loopback ones
     rpc: tuple[str, ...] = ()            # RPC workers the target is split over (HOST:PORT)
     tensor_split: tuple = ()             # their shares (+ optionally the head's, last)
+    require_gpu: bool = False            # refuse to serve unless the target's layers are all on a GPU
     load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
 
     def __post_init__(self) -> None:
@@ -249,6 +250,12 @@ SETTINGS: tuple[Setting, ...] = (
                      "(/var/cache/edgerun); uncomment only to use another place the service may write to.",
                      "#EDGERUN_HOME=/var/cache/edgerun",
                      "Fail at start instead of downloading a model that is not cached yet (air-gapped boards).")),
+    Setting("require_gpu", ("--require-gpu",), "EDGERUN_REQUIRE_GPU",
+            "Refuse to start (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile "
+            "(Jetson, Apple) whose GPU is not used only logs a warning. /health shows where the layers are.",
+            is_flag=True, env_example="1",
+            env_doc=("", "GPU boards: fail at start instead of serving on the CPU when the model's layers did not",
+                     "land on the GPU (a llama.cpp without CUDA, an unreachable device). docs/devices.md")),
 )
 
 
