@@ -31,7 +31,7 @@ from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import compare# noqa: E402
 from edgerun.quant import formats as F# noqa: E402
 from edgerun.quant import pipeline as P# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 
 
 def layer_set(spec: str) -> set[int]:

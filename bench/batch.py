@@ -127,7 +127,7 @@ def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_ca
 
 
 def llama_server(model: str, draft: str | None, args) -> Proc:
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     port = free_port()
     binary = Path(args.llama_bin) / "llama-server"

@@ -148,17 +148,17 @@ def main() -> None:
     args = ap.parse_args()
 
     import edgerun
-    from edgerun import registry
+    from edgerun import resolve
     from edgerun.spec.drafters import make_drafter  # noqa: F401  (import cost outside the timed runs)
 
     gammas = [int(g) for g in args.gammas.split(",") if g]
     names = [w for w in args.workloads.split(",") if w]
-    reg_t = registry.resolve_model(args.target)
+    reg_t = resolve.resolve_model(args.target)
     if args.spec_files:
         spec_t, spec_d = (Path(x) for x in args.spec_files.split(","))
     else:
-        spec_t = registry.resolve_model(f"{args.target}@{args.variant}")
-        spec_d = registry.resolve_model(f"{args.draft}@{args.variant}")
+        spec_t = resolve.resolve_model(f"{args.target}@{args.variant}")
+        spec_d = resolve.resolve_model(f"{args.draft}@{args.variant}")
     th = args.threads
     load = dict(n_threads=th, n_ctx=4096)
     rt_reg = edgerun.load(str(reg_t), draft="none", **load)

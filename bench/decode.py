@@ -51,7 +51,7 @@ def main() -> None:
     import llama_cpp
 
     import edgerun
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     path = resolve_model(a.model)
     rt = edgerun.load(a.model, draft="none", n_threads=a.threads, n_ctx=a.ctx, flash_attn=True)

@@ -206,7 +206,7 @@ def main() -> None:
 
     from batch import Proc, free_port, one_request
     from pair import thread_cpu
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
     from serve import PROMPTS
 
     work = tempfile.mkdtemp(prefix="edgerun-decompose-")

@@ -54,7 +54,7 @@ def main() -> None:
 
     from edgerun.backends.llamacpp import LlamaCppBackend
     from edgerun.config import BackendArgs
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     path = resolve_model(a.model)
     backends, huge_mib, load_s = {}, {}, {}

@@ -20,7 +20,7 @@ import numpy as np
 
 from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs
-from edgerun.registry.cache import resolve_model
+from edgerun.resolve import resolve_model
 
 
 def main() -> None:

@@ -88,7 +88,7 @@ def export_acc1(q: Path, work: Path, n_ctx: int, log) -> Path:
 def prepare(name: str, work: Path, n_ctx: int, log) -> tuple[Path, Path]:
     """(Q4_0 GGUF, ONNX export) of a registry model or a local GGUF, cached under `work`."""
     from edgerun.quant.pipeline import quantize
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     src = Path(name) if Path(name).exists() else resolve_model(name)
     stem = Path(name).stem if Path(name).exists() else name

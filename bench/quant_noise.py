@@ -40,7 +40,7 @@ from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import compare# noqa: E402
 from edgerun.quant import formats as F# noqa: E402
 from edgerun.quant import pipeline as P# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 
 TIE_TOL = 1e-3      # |fractional code coordinate - 0.5| below this is a tie (float32 noise is ~1e-6)
 

@@ -217,7 +217,8 @@ def main() -> None:
         scen -= {"q4draft", "peer"}
 
     import edgerun
-    from edgerun.registry.cache import cache_dir, resolve_model
+    from edgerun.registry.cache import cache_dir
+    from edgerun.resolve import resolve_model
 
     # a fixed gamma at load time: no gamma tuner (and no cost-curve probe); each run sets its own gamma
     common = dict(n_threads=a.threads, n_ctx=a.ctx, flash_attn=True, profile="generic-x86_64-cpu", gamma=4)

@@ -5,10 +5,9 @@
     print(rt.chat([{"role": "user", "content": "Hi!"}], max_tokens=64).text)
 """
 
-__version__ = "0.1.0"
-
-from . import errors# noqa: E402
-from .errors import EdgerunError# noqa: E402
+from . import errors
+from .errors import EdgerunError
+from .version import __version__
 
 
 def load(*args, **kwargs):
@@ -19,8 +18,8 @@ def load(*args, **kwargs):
 
 
 def quantize(*args, **kwargs):
-    """Quantize a float checkpoint to an INT4 GGUF. See edgerun.quant.pipeline.quantize."""
-    from .quant.pipeline import quantize as _quantize
+    """Quantize a float checkpoint (path or registry name) to an INT4 GGUF. See edgerun.resolve.quantize."""
+    from .resolve import quantize as _quantize
 
     return _quantize(*args, **kwargs)
 

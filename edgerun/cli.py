@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from .version import __version__
 from .config import DEFAULT_MODEL
 from .errors import EdgerunError
 from .util.atomic import stop_on_signal
@@ -444,6 +444,7 @@ def pull(names, pull_all, verify, force, variant):
     `edgerun quantize` recipe. Prints each model's path on stdout.
     """
     from . import registry
+    from .resolve import pull_model
 
     stop_on_signal()            # a stopped pull removes its temporaries (downloads, the partial file)
     from .errors import InvalidArgument, ModelNotFound
@@ -463,7 +464,7 @@ def pull(names, pull_all, verify, force, variant):
         wanted.append((base, v))
     for base, v in wanted:
         click.echo(f"pulling {base}" + (f" and making {base}@{v}" if v else ""), err=True)
-        path = registry.pull(base, progress=progress_printer(), verify=verify, force=force, variant=v)
+        path = pull_model(base, progress=progress_printer(), verify=verify, force=force, variant=v)
         click.echo(str(path))
 
 
@@ -605,7 +606,7 @@ def profile_list():
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_pull, as_json):
     """Measure memory bandwidth (and a model pair's cost curve); results are cached for the gamma tuner."""
-    from .device.probe import bandwidth_report, cost_report
+    from .profile_probe import bandwidth_report, cost_report
     from .device.detect import resolve
 
     prof, _ = resolve(profile_name)
@@ -649,7 +650,7 @@ def profile_probe(profile_name, model, draft, size_mib, threads, remeasure, no_p
 def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no_pull, as_json):
     """Quantize SOURCE (registry name, .gguf, or Hugging Face checkpoint dir) to an INT4 GGUF at OUT."""
     from .config import QuantArgs
-    from .quant.pipeline import quantize as run
+    from .resolve import quantize as run
 
     stop_on_signal()
     args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
@@ -699,7 +700,7 @@ def eval_ppl(model, text_spec, ctx, n_threads, max_windows, no_pull, other, as_j
     """Perplexity of MODEL on a text, scored like llama.cpp's llama-perplexity (second half of each window)."""
     from .eval.texts import load_text
     from .eval.perplexity import compare, perplexity
-    from .registry.cache import resolve_model
+    from .resolve import resolve_model
 
     name, text = load_text(text_spec)
     paths = [resolve_model(m, pull=not no_pull) for m in ([model] if other is None else [model, other])]
@@ -753,7 +754,7 @@ def export_onnx_cmd(source, out_dir, n_ctx, accuracy_level, force, no_pull, as_j
 
     from .onnx.export import export_onnx
     from .onnx.layout import read_config
-    from .registry.cache import resolve_model
+    from .resolve import resolve_model
 
     stop_on_signal()
     src = Path(source) if Path(source).exists() else resolve_model(source, pull=not no_pull)

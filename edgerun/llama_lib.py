@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from .errors import BackendError, ModelFormatError
+from .formats.ggufscan import read_info
 
 log = logging.getLogger("edgerun.llama")
 
@@ -51,8 +52,6 @@ def lib():
 
 def check_gguf(path: str | Path) -> Path:
     """Raise a clear error unless `path` is a complete GGUF file (magic, header, tensor data in bounds)."""
-    from .formats.ggufscan import read_info
-
     return read_info(path).path
 
 

@@ -352,7 +352,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
     from .registry.manifest import default_draft_for
-    from .registry.cache import resolve_model
+    from .resolve import resolve_model
     from .spec.drafters import make_drafter
 
     prof, why = resolve_profile(profile)

@@ -484,7 +484,7 @@ def test_a_row_mixing_batcher_fails_the_test(tiny_llama, monkeypatch):
 @pytest.mark.real_model
 def test_real_model_greedy_batched_equals_alone():
     """SmolLM2-135M (the registry file), 1 thread: four concurrent greedy generations, each equal to alone."""
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     with _load(path, 4) as rt:

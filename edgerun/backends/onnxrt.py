@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import psutil
 
 from .base import check_eval
 from ..config import BackendArgs
@@ -86,8 +87,6 @@ def select_providers(requested: Sequence[str], available: Sequence[str] | None =
 
 
 def default_threads() -> int:
-    import psutil
-
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 

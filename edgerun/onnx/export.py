@@ -11,6 +11,8 @@ from typing import Callable
 import numpy as np
 
 from ..formats.arch import get_arch
+from ..formats.gguf import source_kv
+from ..tokenizer import Tokenizer
 from ..util.atomic import atomic_dir
 from ..errors import InvalidArgument, ModelFormatError
 from .graph import build
@@ -26,8 +28,6 @@ log = logging.getLogger(__name__)
 def _write_tokenizer_gguf(src: Source, path: Path) -> None:
     """The source's metadata (tokenizer.*, hyperparameters, general.*) and no tensors."""
     import gguf
-
-    from ..formats.gguf import source_kv
 
     w = gguf.GGUFWriter(str(path), src.arch)
     for kv in source_kv(src.src):
@@ -110,8 +110,6 @@ def export_onnx(src: str | Path, out_dir: str | Path, *, n_ctx: int | None = Non
     1 = fp32, the exact product of the dequantized weights). force: replace an existing export.
     source: an already opened Source of `src` (edgerun.convert passes its view of an INT4 checkpoint).
     """
-    from ..tokenizer import Tokenizer
-
     src_path = Path(src)
     out = Path(out_dir)
     if accuracy_level not in (0, 1, 2, 3, 4):

@@ -323,7 +323,7 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
     if spec == "lookup":
         return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
     from ..backends import open_backend
-    from ..registry.cache import resolve_model
+    from ..resolve import resolve_model
 
     path = Path(resolve_model(spec, pull=pull))
     backend = open_backend(path, backend_args or BackendArgs())
