@@ -149,7 +149,7 @@ def main() -> None:
 
     import edgerun
     from edgerun import resolve
-    from edgerun.spec.drafters import make_drafter  # noqa: F401  (import cost outside the timed runs)
+    from edgerun.speculative.drafters import make_drafter  # noqa: F401  (import cost outside the timed runs)
 
     gammas = [int(g) for g in args.gammas.split(",") if g]
     names = [w for w in args.workloads.split(",") if w]

@@ -59,8 +59,8 @@ from edgerun.eval.agreement import top1_agreement as agreement# noqa: E402
 from edgerun.generate import GenStats, generate# noqa: E402
 from edgerun.onnx.export import export_onnx
 from edgerun.onnx.layout import read_config  # noqa: E402
-from edgerun.spec.drafters import ModelDrafter# noqa: E402
-from edgerun.spec.gamma import FixedGamma# noqa: E402
+from edgerun.speculative.drafters import ModelDrafter# noqa: E402
+from edgerun.speculative.gamma import FixedGamma# noqa: E402
 
 GREEDY = SamplingArgs(temperature=0)
 PROMPT = ("Write a long, detailed essay about the history of the steam engine, from its earliest "

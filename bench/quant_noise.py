@@ -38,7 +38,7 @@ from edgerun.config import QuantArgs# noqa: E402
 from edgerun.formats import open_source
 from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import compare# noqa: E402
-from edgerun.quant import formats as F# noqa: E402
+from edgerun.quant import blocks as F# noqa: E402
 from edgerun.quant import pipeline as P# noqa: E402
 from edgerun.resolve import resolve_model# noqa: E402
 

@@ -216,7 +216,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import edgerun
-    from edgerun.spec.drafters import PromptLookupDrafter
+    from edgerun.speculative.drafters import PromptLookupDrafter
 
     results: dict = {"rounds": a.rounds, "tokens": a.tokens, "threads": a.threads, "gamma": a.gamma, "rows": {}}
     systems = []          # (label, model key, messages, schema?, gamma, drafter factory)

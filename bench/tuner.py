@@ -85,7 +85,7 @@ def run_one(rt, prompt: list[int], n: int, gamma, policy=None) -> dict:
 
 def bench_workload(w: dict, gammas: list[int], n: int, rounds: int, common: dict) -> dict:
     import edgerun
-    from edgerun.spec.gamma import GammaTuner
+    from edgerun.speculative.gamma import GammaTuner
 
     t0 = time.perf_counter()
     rt = edgerun.load(w["model"], draft=w["draft"], **common)      # gamma auto: runs / reads the cost probe

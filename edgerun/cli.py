@@ -410,7 +410,7 @@ def list_cmd(as_json):
                          "size": path.stat().st_size if cached else None, "cached": cached,
                          "draft": registry.default_draft_for(f"{m.name}@{vname}"), "path": str(path),
                          "description": v.description, "license": m.license, "made_from": m.name})
-    from .convert.cache import list_converted
+    from .convert.converted import list_converted
     for c in list_converted():                   # INT4 checkpoints converted by --model DIR
         rows.append({"name": c["name"], "kind": "converted", "arch": c["arch"],
                      "quant": f"{c['quant'].upper()} (from {c['source_format']})", "size": c["size"], "cached": True,

@@ -14,7 +14,7 @@ from .device import bandwidth as B
 from .device.costprobe import probe_costs, verify_ratios
 from .device.profiles import DeviceProfile
 from .resolve import resolve_model
-from .spec.drafters import make_drafter
+from .speculative.drafters import make_drafter
 
 log = logging.getLogger(__name__)
 

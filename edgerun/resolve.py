@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .config import QuantArgs
 from .convert import is_int4_checkpoint
-from .convert.cache import converted_model
+from .convert.converted import converted_model
 from .errors import ModelFormatError, ModelNotFound
 from .quant import pipeline
 from .registry import fetch
@@ -60,7 +60,7 @@ def resolve_model(spec: str | os.PathLike, *, pull: bool = True, progress: Progr
     A registry name gives its cached file, pulled first if missing (or ModelNotFound when
     ``pull=False``); NAME@VARIANT gives the variant, made from the registry file on first use; a path to a
     local .gguf file or an ONNX export directory gives that path; an INT4 checkpoint directory gives its
-    GGUF in the cache, converted on first use (edgerun.convert.cache).
+    GGUF in the cache, converted on first use (edgerun.convert.converted).
     """
     spec = os.fspath(spec)
     if _looks_like_path(spec):

@@ -15,7 +15,7 @@ from ..formats.arch import ModelConfig
 from ..formats.gguf import GGUFSource
 from ..errors import ModelFormatError, ModelNotFound
 from ..llama_lib import check_gguf
-from ..quant.formats import pack, q4_0_to_matmulnbits
+from ..quant.blocks import pack, q4_0_to_matmulnbits
 from .layout import BLOCK
 
 

@@ -41,14 +41,14 @@ from ..tokenizer import Tokenizer
 from ..util.atomic import check_destination, raise_if_stopped
 from ..reference.llama import block_forward
 from . import awq
-from . import formats as F
+from . import blocks as F
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]     # (message, done, total)
 RESCORE = 3          # AWQ scale candidates (best by round-to-nearest) rescored with searched block params
 # Per-format default of the block search's importance: False = E[x_j^2] per input channel (what AWQ
-# collects), True = also sqrt(sigma2 + w^2) per element (`formats.element_importance`). Measured with
+# collects), True = also sqrt(sigma2 + w^2) per element (`blocks.element_importance`). Measured with
 # bench/awq_ablation.py at 16 windows: on Qwen2.5-Coder-0.5B Q4_1 it lowered AWQ's perplexity from
 # 39.35 to 38.76 (wiki) and 4.878 to 4.859 (code) (measured with the earlier all-group scaling); on
 # SmolLM2-135M Q4_0 it is level (21.966 / 7.857 -> 22.113 / 7.827, paired intervals containing 1),
@@ -148,7 +148,7 @@ def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarra
     """AWQ on one block. w: block tensors ('attn_q.weight', ...) float32; x [B, T, d] block input.
 
     rescore: how many of the best (by round-to-nearest) scale candidates are scored again with
-    their searched block params; element: weight the block search by `formats.element_importance`
+    their searched block params; element: weight the block search by `blocks.element_importance`
     (None: the format's default in ELEMENT_IMPORTANCE); scales=False skips AWQ's scale search (the
     candidates are then the block search and round-to-nearest only; an ablation); scale_after_linear
     also searches scales for the groups whose 1/s folds into a linear (o after v, down after up), as

@@ -1,7 +1,7 @@
 """Drafters: what proposes the tokens the target verifies. A model on its own backend, or prompt lookup.
 
 A drafter's `propose(context, gamma, sampling, rng, constraint)` returns (tokens, q): up to gamma
-drafted tokens and q, one `Dist` over the target's ids per token (spec/sampling.py: the distribution
+drafted tokens and q, one `Dist` over the target's ids per token (speculative/sampling.py: the distribution
 it was drawn from, after the same sampling transforms the target gets; with top-k a few dozen
 entries, not a vocabulary-sized row), or q None when the draft is a deterministic function of the
 context (prompt lookup; any drafter under greedy decoding): verify then treats it as a point mass. With a constraint (a grammar), a model drafter
