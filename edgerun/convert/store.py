@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..quant.formats import QK, encode_codes
+from ..quant.blocks import QK, encode_codes
 from .unpack import Int4
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ class StoreStat:
 def _per_block(a: np.ndarray, g: int) -> np.ndarray:
     """[N, G] per group -> [N, K/32] per block of 32 (g = k * 32)."""
     return np.repeat(a, g // QK, axis=1)
-
-
-def _fp16_exact(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float16).astype(np.float64) == a.astype(np.float64)
 
 
 def choose_type(w: Int4, exact: bool) -> str:
