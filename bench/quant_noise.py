@@ -34,7 +34,7 @@ from awq import eval_texts, float_reference, score_texts  # noqa: E402
 from harness import arg_parser, print_table, write_result  # noqa: E402
 
 from edgerun.config import QuantArgs# noqa: E402
-from edgerun.formats import open_source
+from edgerun.formats.source import open_source
 from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import compare# noqa: E402
 from edgerun.quant import blocks as F# noqa: E402

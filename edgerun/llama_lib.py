@@ -31,7 +31,7 @@ def lib():
     if _lib is None:
         with _lock:
             if _lib is None:
-                try:
+                try:    # lazily: loading libllama costs ~0.5 s (measured here), and a missing build gets this message
                     import llama_cpp
                 except ImportError as e:  # pragma: no cover - depends on the install
                     raise BackendError(

@@ -54,7 +54,7 @@ _GPU_MEMORY = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cu
 
 
 def _ort():
-    try:
+    try:    # lazily: onnxruntime is the optional 'onnx' extra
         import onnxruntime
     except ImportError as e:  # pragma: no cover - depends on the install
         raise BackendError(f"onnxruntime is not installed ({e}); install it with "

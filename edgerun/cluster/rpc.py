@@ -132,7 +132,7 @@ def _loaded(name: str) -> str:
     """The file of `name` that libllama's process already has loaded (from /proc/self/maps), else the
     soname file next to libllama. Wheels hold copies, not symlinks, of libggml.so / .so.0 / .so.0.x: a
     dlopen of another copy would load a second ggml with its own state (abort hook, registry)."""
-    import llama_cpp.llama_cpp as bindings
+    import llama_cpp.llama_cpp as bindings         # lazily, as llama_lib: libllama loads only when used
 
     try:
         with open("/proc/self/maps") as f:

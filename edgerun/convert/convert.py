@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
 
 from ..version import __version__
@@ -91,12 +92,10 @@ def ckpt_module(ckpt: Int4Checkpoint, name: str) -> str:
 
 
 def _ggml(t: str):
-    import gguf
     return getattr(gguf.GGMLQuantizationType, t.upper())
 
 
 def _metadata(ckpt: Int4Checkpoint, report: ConvertReport, types: dict[str, str], exact: bool) -> list[KV]:
-    import gguf
     T = gguf.GGUFValueType
     int4 = sorted({t for n, t in types.items() if ckpt.is_quantized(n)})
     fmt = int4[0] if len(int4) == 1 else "mixed"

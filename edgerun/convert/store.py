@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 
 from ..quant.blocks import QK, encode_codes
@@ -59,8 +60,6 @@ def choose_type(w: Int4, exact: bool) -> str:
 
 def store(name: str, w: Int4, exact: bool) -> tuple[str, np.ndarray, StoreStat]:
     """(type, raw array for the GGUF writer, stats) of one INT4 weight [N, K] in GGUF layout."""
-    import gguf
-
     fmt = choose_type(w, exact)
     ref = w.dequantize().astype(np.float64)                                   # [N, K] what the checkpoint means
     if fmt == "f16":

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------- graph
 
+# onnx (the optional 'onnx' extra, ~2.4 s to import measured here) is imported inside the methods that build
+# the graph, so that importing the exporter does not need it
+
+
 class _Graph:
     """Nodes, initializers (big ones streamed to the external data file) and value infos."""
 

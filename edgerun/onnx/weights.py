@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
-from ..formats import open_source
+from ..formats.source import open_source
 from ..formats.arch import ModelConfig
 from ..formats.gguf import GGUFSource
 from ..errors import ModelFormatError, ModelNotFound
@@ -102,8 +103,6 @@ class Source:
 
     def nbits(self, name: str, requant: str = "q4_0") -> NBits:
         """A 2-D weight as MatMulNBits: Q4_0/Q8_0 blocks as they are, anything else re-quantized to `requant`."""
-        import gguf
-
         T = gguf.GGMLQuantizationType
         kind = self.src.tensor_type(name) if self.is_gguf else None
         if kind == T.Q4_0:

@@ -36,7 +36,7 @@ from ..config import QuantArgs
 from ..errors import InvalidArgument, QuantizationError
 from ..formats.gguf import KV, GGUFSource, TensorPlan, hparam_kv, source_kv, write_gguf
 from ..formats.hf import HFSource
-from ..formats import open_source
+from ..formats.source import open_source
 from ..tokenizer import Tokenizer
 from ..util.atomic import check_destination, raise_if_stopped
 from ..reference.llama import block_forward
