@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from edgerun.eval.texts import pydoc_text, stdlib_code_text# noqa: E402
 from edgerun.formats.gguf import GGUFSource, TensorPlan, source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import paired_ratio, perplexity# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 
 
 def float_reference(src_path: Path, out: Path) -> Path:

@@ -30,10 +30,10 @@ from awq import eval_texts, float_reference, run_child  # noqa: E402
 
 from edgerun.eval.perplexity import paired_ratio, perplexity# noqa: E402
 from edgerun.quant.pipeline import ELEMENT_IMPORTANCE# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 
 CHILD = """import json, sys
-from edgerun.quant.pipeline import quantize
+from edgerun.resolve import quantize
 r = quantize(sys.argv[1], sys.argv[2], method="awq", format=sys.argv[3], block_options=json.loads(sys.argv[4]))
 print(json.dumps({"error_reduction": r.error_reduction}))
 """

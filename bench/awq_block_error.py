@@ -31,11 +31,11 @@ from awq import float_reference  # noqa: E402
 
 from edgerun.eval.texts import token_sequences# noqa: E402
 from edgerun.config import QuantArgs# noqa: E402
-from edgerun.formats import open_source# noqa: E402
-from edgerun.quant import formats as F# noqa: E402
+from edgerun.formats.source import open_source# noqa: E402
+from edgerun.quant import blocks as F# noqa: E402
 from edgerun.quant import pipeline# noqa: E402
 from edgerun.reference.llama import block_forward# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 from edgerun.tokenizer import Tokenizer# noqa: E402
 
 VARIANTS = {"awq": {}, "awq_all": {"scale_after_linear": True}, "search": {"scales": False}}

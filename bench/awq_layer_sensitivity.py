@@ -13,8 +13,6 @@ method could target) or is spread over all of them. Writes JSON, prints a table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,14 +22,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from awq import eval_texts, float_reference, score_texts  # noqa: E402
+from harness import arg_parser, print_table, write_result  # noqa: E402
 
 from edgerun.config import QuantArgs# noqa: E402
-from edgerun.formats import open_source
+from edgerun.formats.source import open_source
 from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import compare# noqa: E402
-from edgerun.quant import formats as F# noqa: E402
+from edgerun.quant import blocks as F# noqa: E402
 from edgerun.quant import pipeline as P# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 
 
 def layer_set(spec: str) -> set[int]:
@@ -56,15 +55,11 @@ def write_mixed(ref: Path, out: Path, fmt: str, keep: set[int]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = arg_parser(__doc__.split("\n")[0], windows=16, threads=2, work="/tmp/edgerun-bench-layers", out=None)
     ap.add_argument("--model", required=True)
     ap.add_argument("--format", default="q4_0", choices=sorted(P.FILE_TYPE))
     ap.add_argument("--wiki", required=True)
     ap.add_argument("--groups", nargs="+", default=["0", "1-3", "4-11", "12-19", "20-22", "23"])
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default="/tmp/edgerun-bench-layers")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -105,13 +100,10 @@ def main() -> None:
     print(f"\n{a.model} {a.format}, {a.windows} windows x ctx 512: float " +
           ", ".join(f"{t} {out['float'][t]:.3f}" for t in texts) + "; RTN " +
           ", ".join(f"{t} {out['rtn'][t]:.3f}" for t in texts))
-    print(f"{'Q8_0 layers':>12s} " + " ".join(f"{t + ' PPL':>10s} {'share':>7s}" for t in texts))
-    for r in rows:
-        print(f"{r['layers']:>12s} " + " ".join(f"{r[t]['ppl']:10.3f} {100 * r[t]['share_of_gap']:6.1f}%" for t in texts))
-    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"awq-layers-{a.model}-{a.format}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1))
-    print(f"wrote {dest}")
+    print_table(["Q8_0 layers", *(h for t in texts for h in (f"{t} PPL", "share"))],
+                [[r["layers"], *(c for t in texts for c in (f"{r[t]['ppl']:.3f}", f"{100 * r[t]['share_of_gap']:.1f}%"))]
+                 for r in rows])
+    print(f"wrote {write_result(Path(a.out) if a.out else f'awq-layers-{a.model}-{a.format}', out)}")
 
 
 if __name__ == "__main__":

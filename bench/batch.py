@@ -37,11 +37,8 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -49,6 +46,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harness import Proc, free_port, llama_server as peer_llama_server, print_table, write_result  # noqa: E402
 from serve import PROMPTS, pct  # noqa: E402  (bench/serve.py: the load test's prompts and percentile)
 
 CONFIGS = {
@@ -59,44 +57,6 @@ CONFIGS = {
     # that speculation does not pay there (docs/speculative.md), batched or not
     "qwen-spec": ("qwen2.5-coder-1.5b-instruct@spec", "qwen2.5-coder-0.5b-instruct@spec"),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server subprocess with its output collected; ready once GET /health answers 200."""
-
-    def __init__(self, name: str, cmd: list[str], url: str, env: dict | None = None, cwd: str | None = None) -> None:
-        self.name, self.url = name, url
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=cwd)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: [self.lines.append(line.rstrip()) for line in self.proc.stdout],
-                         daemon=True).start()
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{self.name} exited:\n" + "\n".join(self.lines[-30:]))
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"{self.name} never became ready:\n" + "\n".join(self.lines[-30:]))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_cache: int | None = None,
@@ -127,21 +87,18 @@ def edgerun_server(model: str, draft: str | None, args, parallel: int, prompt_ca
 
 
 def llama_server(model: str, draft: str | None, args) -> Proc:
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
-    port = free_port()
-    binary = Path(args.llama_bin) / "llama-server"
-    cmd = [str(binary), "-m", str(resolve_model(model, pull=False)), "-t", str(args.threads), "-tb", str(args.threads),
-           "-c", str(args.ctx * args.parallel), "-np", str(args.parallel), "-fa", "on", "-ngl", "0",
-           "--host", "127.0.0.1", "--port", str(port)]
+    extra = ["-c", str(args.ctx * args.parallel), "-np", str(args.parallel), "-fa", "on", "-ngl", "0"]
     if draft:
-        cmd += ["-md", str(resolve_model(draft, pull=False)), "-ngld", "0"]
+        extra += ["-md", str(resolve_model(draft, pull=False)), "-ngld", "0"]
     if args.llama_cache_ram is not None:
         # llama-server keeps finished prompts' KV in a host-memory cache (--cache-ram, 8192 MiB by default) and
         # restores a repeated prompt instead of evaluating it; edgerun reuses only what a slot still holds
-        cmd += ["--cache-ram", str(args.llama_cache_ram)]
+        extra += ["--cache-ram", str(args.llama_cache_ram)]
     env = {**os.environ, "LD_LIBRARY_PATH": str(Path(args.llama_bin))}
-    return Proc(f"llama-server -np {args.parallel}", cmd, f"http://127.0.0.1:{port}", env=env)
+    return peer_llama_server(Path(args.llama_bin) / "llama-server", resolve_model(model, pull=False),
+                             threads=args.threads, extra=extra, env=env, name=f"llama-server -np {args.parallel}")
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
@@ -227,41 +184,40 @@ def ratio_cell(ratios: list[float]) -> str:
 
 def versus_table(report: dict, other: str, ratios: str, label: str) -> None:
     """edgerun beside one of its variants (another server measured at every level), level by level."""
-    print(f"\n| config | clients | edgerun tok/s | {label} tok/s | ratio | rows per batch (edgerun / {label}) |")
-    print("|---|---|---|---|---|---|")
-    for name, cfg in report["configs"].items():
-        for row in cfg["levels"]:
-            e, o = row["edgerun"], row[other]
-            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {o['tok_s']:.1f} | {ratio_cell(row[ratios])} | "
-                  f"{e['rows_per_batch'] or 0:.2f} / {o['rows_per_batch'] or 0:.2f} |")
+    rows = [[name, str(row["clients"]), row["edgerun"]["tok_s"], row[other]["tok_s"], ratio_cell(row[ratios]),
+             f"{row['edgerun']['rows_per_batch'] or 0:.2f} / {row[other]['rows_per_batch'] or 0:.2f}"]
+            for name, cfg in report["configs"].items() for row in cfg["levels"]]
+    print()
+    print_table(["config", "clients", "edgerun tok/s", f"{label} tok/s", "ratio",
+                 f"rows per batch (edgerun / {label})"], rows, fmt=".1f", markdown=True)
 
 
 def print_tables(report: dict) -> None:
     """The tables of one run (from its report: a fresh run or a saved JSON)."""
     opts = report["args"]          # .get: a run saved before an --also-* option existed has no such key
-    print("\n| config | clients | edgerun tok/s | llama-server tok/s | ratio | edgerun TTFT p50 / p95 s | "
-          "llama-server TTFT p50 / p95 s | edgerun rows per batch | edgerun wall in batched evals |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for name, cfg in report["configs"].items():
         for row in cfg["levels"]:
             e, ls = row["edgerun"], row["llama-server"]
-            print(f"| {name} | {row['clients']} | {e['tok_s']:.1f} | {ls['tok_s']:.1f} | {ratio_cell(row['ratios'])} | "
-                  f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f} | {ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f} | "
-                  f"{e['rows_per_batch'] or 0:.2f} | {e.get('eval_share') or 0:.0%} |")
+            rows.append([name, str(row["clients"]), e["tok_s"], ls["tok_s"], ratio_cell(row["ratios"]),
+                         f"{e['ttft_p50_s']:.2f} / {e['ttft_p95_s']:.2f}", f"{ls['ttft_p50_s']:.2f} / {ls['ttft_p95_s']:.2f}",
+                         f"{e['rows_per_batch'] or 0:.2f}", f"{e.get('eval_share') or 0:.0%}"])
         p1 = cfg["levels"][0].get("edgerun-p1")
         if p1:
-            print(f"| {name} | 1 (edgerun --parallel 1) | {p1['tok_s']:.1f} | | {ratio_cell(cfg['levels'][0]['p1_ratios'])}"
-                  f" (--parallel {opts['parallel']} / 1) | {p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f} | | | |")
-    spec = {name: cfg for name, cfg in report["configs"].items() if cfg["draft"]}
+            rows.append([name, "1 (edgerun --parallel 1)", p1["tok_s"], "",
+                         f"{ratio_cell(cfg['levels'][0]['p1_ratios'])} (--parallel {opts['parallel']} / 1)",
+                         f"{p1['ttft_p50_s']:.2f} / {p1['ttft_p95_s']:.2f}", "", "", ""])
+    print()
+    print_table(["config", "clients", "edgerun tok/s", "llama-server tok/s", "ratio", "edgerun TTFT p50 / p95 s",
+                 "llama-server TTFT p50 / p95 s", "edgerun rows per batch", "edgerun wall in batched evals"],
+                rows, fmt=".1f", markdown=True)
+    spec = [[name, str(row["clients"]), ratio_cell(row["spec_ratios"]),
+             ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""]
+            for name, cfg in report["configs"].items() if cfg["draft"] for row in cfg["levels"] if "spec_ratios" in row]
     if spec:
-        print("\n| config | clients | edgerun with the drafter / without it (--parallel N) | "
-              "--parallel 1 with / without it (speculation alone) |")
-        print("|---|---|---|---|")
-        for name, cfg in spec.items():
-            for row in cfg["levels"]:
-                if "spec_ratios" in row:
-                    alone = ratio_cell(row["spec_alone_ratios"]) if "spec_alone_ratios" in row else ""
-                    print(f"| {name} | {row['clients']} | {ratio_cell(row['spec_ratios'])} | {alone} |")
+        print()
+        print_table(["config", "clients", "edgerun with the drafter / without it (--parallel N)",
+                     "--parallel 1 with / without it (speculation alone)"], spec, markdown=True)
     if opts.get("also_no_prompt_cache"):
         versus_table(report, "edgerun-nocache", "cache_ratios", "edgerun --prompt-cache 0")
     if opts.get("also_asyncio"):
@@ -376,7 +332,7 @@ def main() -> None:
                 s.stop()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_result(out, report, indent=2)
     print_tables(report)
     print(f"\nwritten {out}")
 

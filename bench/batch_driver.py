@@ -20,7 +20,6 @@ moves, drafter or cancellation here.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,18 +31,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from harness import arg_parser  # noqa: E402
 
 PROMPT = "Write a long story about a robot who learns to paint."
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "batch_driver.json"))
+    ap = arg_parser(__doc__.split("\n")[0], model="smollm2-135m-instruct", clients=4, tokens=128, rounds=6,
+                    threads=2, out="batch_driver")
     a = ap.parse_args()
     try:
         import greenlet

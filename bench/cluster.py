@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from ssh_tunnel import Tunnel, available as ssh_unavailable, free_port, wait_port  # noqa: E402  (the tests' sshd harness)
+sys.path.insert(0, str(ROOT / "bench"))
+from harness import print_table, timed_tokens, write_result  # noqa: E402
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle.\n\n"
 
 
@@ -59,16 +62,10 @@ def head(spec: dict) -> dict:
     t_load = time.perf_counter() - t0
     ports = [int(e.rsplit(":", 1)[1]) for e in spec["rpc"]]
     b0 = tcp_bytes(ports)
-    t_start = time.perf_counter()
-    stamps, text = [], []
-    for step in rt.stream(PROMPT, max_tokens=spec["tokens"], temperature=0, gamma=0):
-        stamps.append(time.perf_counter())
-        text.append(step.text)
+    t = timed_tokens(rt.stream(PROMPT, max_tokens=spec["tokens"], temperature=0, gamma=0))
     b1 = tcp_bytes(ports)
-    n = len(stamps)
-    return {"t_load_s": t_load, "ttft_s": stamps[0] - t_start, "n_tokens": n, "bytes": b1 - b0, "text": "".join(text),
-            "tokens_per_s": (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0,
-            "n_prompt": len(rt.tokenize(PROMPT))}
+    return {"t_load_s": t_load, "ttft_s": t.ttft, "n_tokens": t.n, "bytes": b1 - b0, "text": "".join(t.text),
+            "tokens_per_s": t.rate, "n_prompt": len(rt.tokenize(PROMPT))}
 
 
 def run_head(model: str, rpc: list[str], tokens: int, threads: int) -> dict:
@@ -138,30 +135,29 @@ def main() -> None:
         for p, _ in [*workers, cached]:
             p.kill()
             p.wait()
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cluster.json").write_text(json.dumps(results, indent=1))
-    print_table(results)
+    write_result("cluster", results)
+    print_tables(results)
 
 
-def print_table(res: dict) -> None:
-    import statistics as s
-
-    print("\n| model | configuration | tok/s | vs local | TTFT ms | KiB/token | load s | same text as local |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+def print_tables(res: dict) -> None:
+    rows = []
     for model, cfgs in res["configs"].items():
-        base = s.median(r["tokens_per_s"] for r in cfgs["local"])
+        base = statistics.median(r["tokens_per_s"] for r in cfgs["local"])
         text = cfgs["local"][0]["text"]
         for name, runs in cfgs.items():
-            tps = s.median(r["tokens_per_s"] for r in runs)
-            kib = s.median(r["bytes"] / max(1, r["n_tokens"]) for r in runs) / 1024
-            print(f"| {model} | {name} | {tps:.1f} | {tps / base:.2f} | {s.median(r['ttft_s'] for r in runs) * 1e3:.0f} "
-                  f"| {kib:.1f} | {s.median(r['t_load_s'] for r in runs):.2f} | "
-                  f"{'yes' if all(r['text'] == text for r in runs) else 'no'} |")
-    print("\n| model | load via 1 worker: no cache | cache cold | cache warm |")
-    print("|---|---:|---:|---:|")
-    for model, d in res["load"].items():
-        print(f"| {model} | {d['no cache']:.2f} s | {d['cache cold']:.2f} s | {d['cache warm']:.2f} s |")
+            tps = statistics.median(r["tokens_per_s"] for r in runs)
+            kib = statistics.median(r["bytes"] / max(1, r["n_tokens"]) for r in runs) / 1024
+            rows.append([model, name, f"{tps:.1f}", f"{tps / base:.2f}",
+                         f"{statistics.median(r['ttft_s'] for r in runs) * 1e3:.0f}", f"{kib:.1f}",
+                         f"{statistics.median(r['t_load_s'] for r in runs):.2f}",
+                         "yes" if all(r["text"] == text for r in runs) else "no"])
+    print()
+    print_table(["model", "configuration", "tok/s", "vs local", "TTFT ms", "KiB/token", "load s", "same text as local"],
+                rows, markdown=True)
+    print()
+    print_table(["model", "load via 1 worker: no cache", "cache cold", "cache warm"],
+                [[m, *(f"{d[k]:.2f} s" for k in ("no cache", "cache cold", "cache warm"))] for m, d in res["load"].items()],
+                markdown=True)
 
 
 if __name__ == "__main__":

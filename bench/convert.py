@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgerun.eval.perplexity import compare# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 from edgerun.eval.texts import pydoc_text# noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_awq", ROOT / "bench" / "awq.py")

@@ -35,7 +35,6 @@ NAME --variant spec`). llama.cpp's tools are built from the llama-cpp-python sdi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -48,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness import print_table, write_result  # noqa: E402
 from workloads import CODE_PROMPTS, DRAFT, TARGET  # noqa: E402
 
 PROSE = [{"role": "user", "content": "Explain in a few paragraphs what a hash table is, how it handles "
@@ -148,17 +148,17 @@ def main() -> None:
     args = ap.parse_args()
 
     import edgerun
-    from edgerun import registry
-    from edgerun.spec.drafters import make_drafter  # noqa: F401  (import cost outside the timed runs)
+    from edgerun import resolve
+    from edgerun.speculative.drafters import make_drafter  # noqa: F401  (import cost outside the timed runs)
 
     gammas = [int(g) for g in args.gammas.split(",") if g]
     names = [w for w in args.workloads.split(",") if w]
-    reg_t = registry.resolve_model(args.target)
+    reg_t = resolve.resolve_model(args.target)
     if args.spec_files:
         spec_t, spec_d = (Path(x) for x in args.spec_files.split(","))
     else:
-        spec_t = registry.resolve_model(f"{args.target}@{args.variant}")
-        spec_d = registry.resolve_model(f"{args.draft}@{args.variant}")
+        spec_t = resolve.resolve_model(f"{args.target}@{args.variant}")
+        spec_d = resolve.resolve_model(f"{args.draft}@{args.variant}")
     th = args.threads
     load = dict(n_threads=th, n_ctx=4096)
     rt_reg = edgerun.load(str(reg_t), draft="none", **load)
@@ -231,8 +231,8 @@ def main() -> None:
         r.pop("tokens", None)
     result["summary"] = summarise(runs, names)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print_table(result)
+    write_result(Path(args.out), result)
+    print_tables(result)
     print(f"\nwrote {args.out}")
 
 
@@ -274,24 +274,23 @@ def summarise(runs: list[dict], names: list[str]) -> dict:
     return out
 
 
-def print_table(result: dict) -> None:
+def print_tables(result: dict) -> None:
     s = result["summary"]
     systems = []
     for w in s.values():
         systems += [k for k, v in w.items() if isinstance(v, dict) and k not in systems]
     ratios = ("auto/plain", "auto/llama.cpp speculative", "edgerun plain/llama.cpp plain",
               "edgerun/llama.cpp plain, registry", "edgerun/llama.cpp plain, drafter")
-    print("\n| workload | " + " | ".join(systems) + " | " + " | ".join(ratios) + " |")
-    print("|---" * (len(systems) + len(ratios) + 1) + "|")
-    for w, row in s.items():
-        cells = [f"{row[k]['tok_s']:.1f} ({row[k]['x_registry_llamacpp']:.2f}x)" if k in row else "-" for k in systems]
-        extra = [f"{row[k]:.3f}" if k in row else "-" for k in ratios]
-        print(f"| {w} | " + " | ".join(cells) + " | " + " | ".join(extra) + " |")
+    print()
+    print_table(["workload", *systems, *ratios],
+                [[w, *(f"{row[k]['tok_s']:.1f} ({row[k]['x_registry_llamacpp']:.2f}x)" if k in row else None
+                       for k in systems), *(row.get(k) for k in ratios)] for w, row in s.items()],
+                fmt=".3f", markdown=True)
     if "perplexity" in result:
-        print("\n| text | registry PPL | spec PPL | ratio [95% CI] | windows |\n|---|---|---|---|---|")
-        for t, p in result["perplexity"].items():
-            print(f"| {t} | {p['registry']:.4f} | {p['spec']:.4f} | {p['ratio']:.4f} "
-                  f"[{p['ci95'][0]:.4f}, {p['ci95'][1]:.4f}] | {p['windows']} |")
+        print()
+        print_table(["text", "registry PPL", "spec PPL", "ratio [95% CI]", "windows"],
+                    [[t, p["registry"], p["spec"], f"{p['ratio']:.4f} [{p['ci95'][0]:.4f}, {p['ci95'][1]:.4f}]",
+                      str(p["windows"])] for t, p in result["perplexity"].items()], fmt=".4f", markdown=True)
     if "exact" in result:
         print(f"\ngreedy speculative == greedy plain at {result['exact']['threads']} thread(s): "
               + ", ".join(f"{k} {v}" for k, v in result["exact"].items() if k != "threads"))

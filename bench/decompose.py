@@ -204,9 +204,10 @@ def main() -> None:
 
     import httpx
 
-    from batch import Proc, free_port, one_request
+    from batch import one_request
+    from harness import Proc, free_port, llama_server
     from pair import thread_cpu
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
     from serve import PROMPTS
 
     work = tempfile.mkdtemp(prefix="edgerun-decompose-")
@@ -214,19 +215,17 @@ def main() -> None:
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", f"{work}/shim.so", f"{work}/shim.c", "-ldl"], check=True)
     traces = {"edgerun": new_trace(work, "edgerun.trace"), "llama-server": new_trace(work, "llama.trace")}
     new_trace(work, "edgerun.trace.py")
-    ports = {k: free_port() for k in traces}
+    port = free_port()
     servers = {
         "edgerun": Proc("edgerun", [sys.executable, __file__, "--edgerun-child", traces["edgerun"], "serve",
                                     "--model", a.model, "--draft", "none", "--parallel", str(a.parallel),
                                     "--threads", str(a.threads), "--ctx", str(a.ctx), "--port",
-                                    str(ports["edgerun"]), "--queue", "64", "--timeout", "900", "--no-pull"],
-                        f"http://127.0.0.1:{ports['edgerun']}",
+                                    str(port), "--queue", "64", "--timeout", "900", "--no-pull"],
+                        f"http://127.0.0.1:{port}",
                         env={**os.environ, "EDGERUN_DECOMPOSE_SHIM": f"{work}/shim.so"}),
-        "llama-server": Proc("llama-server", [
-            str(Path(a.llama_bin) / "llama-server"), "-m", str(resolve_model(a.model, pull=False)),
-            "-t", str(a.threads), "-tb", str(a.threads), "-c", str(a.ctx * a.parallel), "-np", str(a.parallel),
-            "-fa", "on", "-ngl", "0", "--host", "127.0.0.1", "--port", str(ports["llama-server"])],
-            f"http://127.0.0.1:{ports['llama-server']}",
+        "llama-server": llama_server(
+            Path(a.llama_bin) / "llama-server", resolve_model(a.model, pull=False), threads=a.threads,
+            extra=["-c", str(a.ctx * a.parallel), "-np", str(a.parallel), "-fa", "on", "-ngl", "0"],
             env={**os.environ, "LD_LIBRARY_PATH": a.llama_bin, "LD_PRELOAD": f"{work}/shim.so",
                  "EDGERUN_EVAL_TRACE": traces["llama-server"]}),
     }

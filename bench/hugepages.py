@@ -12,13 +12,13 @@ was collapsed and the AnonHugePages the kernel shows for the process. Writes ben
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import math
-import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import arg_parser, geomean_interval, print_table, timed_tokens, write_result  # noqa: E402
 
 PROMPT = "def quicksort(items):\n    \"\"\"Sort a list with quicksort and explain each step.\"\"\"\n"
 
@@ -32,29 +32,21 @@ def decode_rate(backend, prompt: list[int], n: int) -> tuple[float, list[int]]:
     from edgerun.config import SamplingArgs
     from edgerun.generate import generate
 
-    stamps, toks = [], []
     backend.truncate(0)
-    for step in generate(backend, prompt, SamplingArgs(temperature=0.0), max_tokens=n, is_eog=lambda t: False):
-        stamps.append(time.perf_counter())
-        toks.append(step.token)
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), toks
+    t = timed_tokens(generate(backend, prompt, SamplingArgs(temperature=0.0), max_tokens=n, is_eog=lambda t: False))
+    return t.rate, t.tokens
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct@spec")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hugepages.json"))
+    ap = arg_parser(__doc__, model="qwen2.5-coder-1.5b-instruct@spec", tokens=64, repeats=8, threads=2, ctx=1024,
+                    out="hugepages")
     a = ap.parse_args()
     logging.basicConfig(format="%(message)s")
     logging.getLogger("edgerun.util.hugepages").setLevel(logging.INFO)     # prints how long the collapse took
 
     from edgerun.backends.llamacpp import LlamaCppBackend
     from edgerun.config import BackendArgs
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     path = resolve_model(a.model)
     backends, huge_mib, load_s = {}, {}, {}
@@ -80,24 +72,19 @@ def main() -> None:
             rates[huge].append(r)
         same &= toks[False] == toks[True]
     ratios = [h / s for h, s in zip(rates[True], rates[False])]
-    logs = [math.log(r) for r in ratios]
-    gm = math.exp(statistics.mean(logs))
-    half = 2.0 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    gm, lo, hi = geomean_interval(ratios)
     result = {"model": a.model, "threads": a.threads, "tokens": a.tokens, "repeats": a.repeats, "ctx": a.ctx,
               "small_pages_tok_s": rates[False], "huge_pages_tok_s": rates[True], "ratio_per_pair": ratios,
-              "ratio_geomean": gm, "ratio_95": [math.exp(statistics.mean(logs) - half),
-                                                math.exp(statistics.mean(logs) + half)],
+              "ratio_geomean": gm, "ratio_95": [lo, hi],
               "collapsed_mib": huge_mib[True], "load_s_small_pages": load_s[False], "load_s_huge_pages": load_s[True],
               "same_tokens": same}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"{'pair':>4} {'small pages tok/s':>18} {'huge pages tok/s':>17} {'ratio':>7}")
-    for i, (s, h, r) in enumerate(zip(rates[False], rates[True], ratios)):
-        print(f"{i:>4} {s:>18.2f} {h:>17.2f} {r:>7.3f}")
+    out = write_result(Path(a.out), result)
+    print_table(["pair", "small pages tok/s", "huge pages tok/s", "ratio"],
+                [[str(i), s, h, r] for i, (s, h, r) in enumerate(zip(rates[False], rates[True], ratios))], fmt=".3f")
     print(f"huge / small pages: {gm:.3f} [{result['ratio_95'][0]:.3f}, {result['ratio_95'][1]:.3f}] "
           f"(geometric mean, ~95% interval; {sum(r > 1 for r in ratios)}/{len(ratios)} pairs > 1; "
           f"same greedy tokens: {same})")
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

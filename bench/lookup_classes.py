@@ -35,7 +35,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import edgerun
-    from edgerun.spec.drafters import PromptLookupDrafter
+    from edgerun.speculative.drafters import PromptLookupDrafter
 
     rt = edgerun.load(SMALL, n_threads=a.threads, n_ctx=4096, flash_attn=True)
     result = {"model": SMALL, "tokens": a.tokens, "classes": BUCKETS, "workloads": {}}

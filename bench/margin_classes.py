@@ -1,5 +1,5 @@
 """How well a model drafter's drafts are accepted, per hint class (the target's margin at the last
-verified position: edgerun.spec.drafters.margin_class).
+verified position: edgerun.speculative.drafters.margin_class).
 
 Runs the Qwen pair (registry files unless --target/--draft say otherwise) at a fixed gamma on the code
 and prose prompts of bench/cpu_speed.py, greedy and at temperature 0.7, and records every cycle's class
@@ -53,7 +53,7 @@ def main() -> None:
     import edgerun
     from edgerun.config import SamplingArgs
     from edgerun.generate import generate
-    from edgerun.spec.drafters import MARGINS
+    from edgerun.speculative.drafters import MARGINS
 
     rt = edgerun.load(a.target, draft=a.draft, n_threads=a.threads, gamma=a.gamma)
     tok = rt.tokenizer

@@ -11,24 +11,22 @@ before sleeping, so the middle reading is expected to be the slow one on a small
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
 
 import numpy as np
 
+from harness import arg_parser   # bench/harness.py (the script's directory is first on the path)
+
 from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs
-from edgerun.registry.cache import resolve_model
+from edgerun.resolve import resolve_model
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = arg_parser(__doc__.split("\n")[0], model="smollm2-135m-instruct", threads=2, reps=3)
     ap.add_argument("--steps", type=int, default=96)
-    ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     be = LlamaCppBackend(resolve_model(args.model, pull=False),
                          BackendArgs(n_ctx=1024, n_threads=args.threads, flash_attn=True))

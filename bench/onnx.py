@@ -52,15 +52,17 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 sys.path.insert(0, str(_HERE.parent))
 
+from bench.harness import print_table, timed_tokens, write_result  # noqa: E402  (bench/harness.py, from the root)
 from edgerun.backends.llamacpp import LlamaCppBackend# noqa: E402
 from edgerun.backends.onnxrt import OnnxBackend# noqa: E402
 from edgerun.config import BackendArgs, QuantArgs, SamplingArgs# noqa: E402
+from edgerun.device.costprobe import measure_verify_times  # noqa: E402
 from edgerun.eval.agreement import top1_agreement as agreement# noqa: E402
 from edgerun.generate import GenStats, generate# noqa: E402
 from edgerun.onnx.export import export_onnx
 from edgerun.onnx.layout import read_config  # noqa: E402
-from edgerun.spec.drafters import ModelDrafter# noqa: E402
-from edgerun.spec.gamma import FixedGamma# noqa: E402
+from edgerun.speculative.drafters import ModelDrafter# noqa: E402
+from edgerun.speculative.gamma import FixedGamma# noqa: E402
 
 GREEDY = SamplingArgs(temperature=0)
 PROMPT = ("Write a long, detailed essay about the history of the steam engine, from its earliest "
@@ -88,7 +90,7 @@ def export_acc1(q: Path, work: Path, n_ctx: int, log) -> Path:
 def prepare(name: str, work: Path, n_ctx: int, log) -> tuple[Path, Path]:
     """(Q4_0 GGUF, ONNX export) of a registry model or a local GGUF, cached under `work`."""
     from edgerun.quant.pipeline import quantize
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     src = Path(name) if Path(name).exists() else resolve_model(name)
     stem = Path(name).stem if Path(name).exists() else name
@@ -174,29 +176,17 @@ def decode_rate(backend, prompt: list[int], n: int, drafter=None, gamma: int = 0
 def decode_run(backend, prompt: list[int], n: int, drafter=None, gamma: int = 0):
     """(tokens/s, CPU s per token, tokens, stats) of one greedy generation; timed from the first token."""
     backend.truncate(0)
-    stamps, cpu, toks, stats = [], [], [], GenStats()
-    for step in generate(backend, prompt, GREEDY, max_tokens=n, drafter=drafter, policy=FixedGamma(gamma),
-                         rng=np.random.default_rng(0), stats=stats):
-        stamps.append(time.perf_counter())
-        cpu.append(time.process_time())
-        toks.append(step.token)
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), (cpu[-1] - cpu[0]) / (len(cpu) - 1), toks, stats
+    stats = GenStats()
+    t = timed_tokens(generate(backend, prompt, GREEDY, max_tokens=n, drafter=drafter, policy=FixedGamma(gamma),
+                              rng=np.random.default_rng(0), stats=stats))
+    return t.rate, t.cpu_per_token, t.tokens, stats
 
 
 def verify_curve(backend, prefix: list[int], repeats: int, n_max: int = 8) -> dict[int, float]:
-    backend.truncate(0)
-    backend.eval(prefix, n_logits=0)
-    extra = prefix[:n_max]
-    out = {}
-    for n in range(1, n_max + 1):
-        ts = []
-        for _ in range(repeats):
-            backend.truncate(len(prefix))
-            t = time.perf_counter()
-            backend.eval(extra[:n])
-            ts.append(time.perf_counter() - t)
-        out[n] = statistics.median(ts)
-    return out
+    """Median seconds of one eval of n positions after the prompt's length of cached context, n = 1..n_max:
+    the runtime's own cost probe (device/costprobe.py), medians instead of its minima."""
+    times = measure_verify_times(backend, n_max=n_max, reps=repeats, context=len(prefix))     # [rep, n - 1]
+    return {n: float(np.median(times[:, n - 1])) for n in range(1, n_max + 1)}
 
 
 def genai_model(model_dir: Path, threads: int):
@@ -367,7 +357,7 @@ def main() -> None:
         r["parity"] = parity(q, ox, a.positions, args, a.reference, acc1)
         if a.parity_only:
             result["models"][name] = r
-            save(result, Path(a.out))
+            write_result(Path(a.out), result)
             continue
         ob, lb = OnnxBackend(ox, args), LlamaCppBackend(q, args)
         prompt = lb.tokenizer.tokenize(PROMPT)
@@ -402,7 +392,7 @@ def main() -> None:
         r["greedy_tokens_equal"] = {"onnx_vs_llamacpp": toks["onnx"] == toks["llamacpp"],
                                     **({"onnx_vs_genai": toks["onnx"] == toks["genai"]} if genai else {})}
         result["models"][name] = r
-        save(result, Path(a.out))                 # partial results survive an interrupted run
+        write_result(Path(a.out), result)                 # partial results survive an interrupted run
 
     if a.spec_pair != "none" and not a.parity_only:
         t_name, d_name = a.spec_pair.split(":")
@@ -453,24 +443,23 @@ def main() -> None:
             "errors": {k: v[0] for k, v in out_toks.items() if k.endswith("error")},
         }
 
-    save(result, Path(a.out))
-    print_table(result)
+    write_result(Path(a.out), result)
+    print_report(result)
     print(f"\nwrote {a.out}")
 
 
-def save(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
-
-
-def print_table(r: dict) -> None:
+def print_report(r: dict) -> None:
     print(f"\nONNX backend vs llama.cpp backend (same Q4_0 weights), {r['threads']} threads, "
           f"onnxruntime {r['onnxruntime']}, onnxruntime-genai {r['genai']}")
-    if any("decode_tokens_per_s" in m for m in r["models"].values()):
-        print(f"{'model':32} {'top-1 onnx~llama':>16} {'mean|dlogit|':>12} {'decode tok/s onnx':>18} "
-              f"{'llama.cpp':>10} {'genai':>8} {'onnx/llama':>10} {'onnx/genai':>10}")
+    rows = []
+    for name, m in r["models"].items():
+        if "decode_tokens_per_s" in m:
+            p, d, nan = m["parity"]["onnx_vs_llamacpp"], m["decode_tokens_per_s"], float("nan")
+            rows.append([name, p["top1_agreement"], p["mean_abs_diff"], d["onnx"], d["llamacpp"], d.get("genai", nan),
+                         d["onnx"] / d["llamacpp"], d["onnx"] / d.get("genai", nan)])
+    if rows:
+        print_table(["model", "top-1 onnx~llama", "mean|dlogit|", "decode tok/s onnx", "llama.cpp", "genai",
+                     "onnx/llama", "onnx/genai"], rows, fmt=".3f")
     for name, m in r["models"].items():
         p, nan = m["parity"], float("nan")
         for k, v in p.items():
@@ -480,10 +469,6 @@ def print_table(r: dict) -> None:
                       f"({v['near_ties_excluded']} excluded)")
         if "decode_tokens_per_s" not in m:
             continue
-        d = m["decode_tokens_per_s"]
-        print(f"{name:32} {p['onnx_vs_llamacpp']['top1_agreement']:16.3f} "
-              f"{p['onnx_vs_llamacpp']['mean_abs_diff']:12.3f} {d['onnx']:18.1f} {d['llamacpp']:10.1f} "
-              f"{d.get('genai', nan):8.1f} {d['onnx'] / d['llamacpp']:10.2f} {d['onnx'] / d.get('genai', nan):10.2f}")
         if "decode_tokens_per_s_best" in m:
             b, c = m["decode_tokens_per_s_best"], m["decode_cpu_ms_per_token"]
             print(f"{'':32} best of {r.get('repeats', '?')}: onnx {b['onnx']:.1f}, llama.cpp {b['llamacpp']:.1f}, "

@@ -20,8 +20,6 @@ dequantized Q5_0 linears, where Q4_0's d = 2 d5 puts every odd 5-bit level exact
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,14 +31,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from awq import eval_texts, float_reference, score_texts  # noqa: E402
+from harness import arg_parser, print_table, write_result  # noqa: E402
 
 from edgerun.config import QuantArgs# noqa: E402
-from edgerun.formats import open_source
+from edgerun.formats.source import open_source
 from edgerun.formats.gguf import source_kv, write_gguf# noqa: E402
 from edgerun.eval.perplexity import compare# noqa: E402
-from edgerun.quant import formats as F# noqa: E402
+from edgerun.quant import blocks as F# noqa: E402
 from edgerun.quant import pipeline as P# noqa: E402
-from edgerun.registry.cache import resolve_model# noqa: E402
+from edgerun.resolve import resolve_model# noqa: E402
 
 TIE_TOL = 1e-3      # |fractional code coordinate - 0.5| below this is a tie (float32 noise is ~1e-6)
 
@@ -94,15 +93,11 @@ def write_variant(ref: Path, out: Path, fmt: str, seed: int | None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = arg_parser(__doc__.split("\n")[0], windows=16, threads=2, work="/tmp/edgerun-bench-noise", out=None)
     ap.add_argument("--model", required=True)
     ap.add_argument("--format", default="q4_0", choices=sorted(P.FILE_TYPE))
     ap.add_argument("--wiki", required=True)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3])
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default="/tmp/edgerun-bench-noise")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -140,14 +135,11 @@ def main() -> None:
            "float_reference": "registry model dequantized (bench/awq.py)", "rows": rows, "spread": spread}
     print(f"\n{a.model} {a.format}, {a.windows} windows x ctx 512: perplexity of round-to-nearest and of "
           f"{len(a.seeds)} tie-randomised copies (same weight error)")
-    print(f"{'variant':>14s} " + " ".join(f"{t + ' PPL':>10s}" for t in texts))
-    for r in rows:
-        print(f"{r['variant']:>14s} " + " ".join(f"{r[t]['ppl']:10.3f}" for t in texts))
-    print(f"{'sd (rel.)':>14s} " + " ".join(f"{spread[t]['sd']:6.3f} ({100 * spread[t]['sd_rel']:.1f}%)" for t in texts))
-    dest = Path(a.out) if a.out else ROOT / "bench" / "results" / f"quant-noise-{a.model}-{a.format}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1))
-    print(f"wrote {dest}")
+    print_table(["variant", *(f"{t} PPL" for t in texts)],
+                [*([r["variant"], *(r[t]["ppl"] for t in texts)] for r in rows),
+                 ["sd (rel.)", *(f"{spread[t]['sd']:.3f} ({100 * spread[t]['sd_rel']:.1f}%)" for t in texts)]],
+                fmt=".3f")
+    print(f"wrote {write_result(Path(a.out) if a.out else f'quant-noise-{a.model}-{a.format}', out)}")
 
 
 if __name__ == "__main__":

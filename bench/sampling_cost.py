@@ -1,4 +1,4 @@
-"""Per-position cost of turning logits into a sampled token, sparse (edgerun.spec.sampling.dist) vs dense.
+"""Per-position cost of turning logits into a sampled token, sparse (edgerun.speculative.sampling.dist) vs dense.
 
 Records real logit rows of a model (default: the Qwen2.5-Coder-0.5B drafter, 151,936-entry vocabulary)
 while it decodes the code and prose prompts of bench/cpu_speed.py, then times on those rows, interleaved
@@ -72,7 +72,7 @@ def main() -> None:
 
     import edgerun
     from edgerun.config import SamplingArgs
-    from edgerun.spec.sampling import dist
+    from edgerun.speculative.sampling import dist
 
     rt = edgerun.load(a.model, draft="none", n_threads=a.threads)
     tok, be = rt.tokenizer, rt.target

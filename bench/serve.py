@@ -20,15 +20,15 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import Proc, edgerun_cmd, free_port  # noqa: E402
 
 PROMPTS = [
     "Name three uses of a steam engine.", "What is a prime number?", "Describe the colour blue.",
@@ -38,40 +38,17 @@ PROMPTS = [
 ]
 
 
-class Server:
+class Server(Proc):
+    """`edgerun serve` with the load test's options; its memory and Prometheus counters."""
+
     def __init__(self, args) -> None:
-        cmd = [sys.executable, "-m", "edgerun", "serve", "--model", args.model, "--draft", args.draft,
-               "--port", "0", "--queue", str(args.queue), "--ctx", str(args.ctx), "--timeout", "900"]
+        port = free_port()
+        cmd = edgerun_cmd("serve", "--model", args.model, "--draft", args.draft, "--port", str(port),
+                          "--queue", str(args.queue), "--ctx", str(args.ctx), "--timeout", "900")
         if args.threads is not None:
             cmd += ["--threads", str(args.threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.url = ""
-        found = threading.Event()
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                m = re.search(r"listening on (http://\S+)", line)
-                if m:
-                    self.url = m.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not found.wait(120) or not self.url:
-            raise SystemExit("server did not start:\n" + "\n".join(self.lines))
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                status = httpx.get(self.url + "/health", timeout=5).status_code
-            except httpx.TransportError:
-                status = None
-            if status == 200:
-                break
-            if self.proc.poll() is not None:
-                raise SystemExit("server exited:\n" + "\n".join(self.lines))
-            time.sleep(0.2)
+        super().__init__("edgerun serve", cmd, f"http://127.0.0.1:{port}")
+        self.wait_ready()
         self.ps = psutil.Process(self.proc.pid)
 
     def rss_mb(self) -> float:

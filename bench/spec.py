@@ -36,7 +36,6 @@ llama-speculative-simple llama-quantize`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -45,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness import arg_parser, print_table, write_result  # noqa: E402
 from workloads import CODE_PROMPTS, DRAFT, SMALL, TARGET, summarise_prompt  # noqa: E402
 
 PROSE_MESSAGES = [
@@ -196,14 +196,9 @@ def requantize_q4_0(tools: Path, src: Path, dst: Path, threads: int) -> Path:
 # ---------------------------------------------------------------------------------- main
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--gammas", default="1,2,3,4,6,8")
+    ap = arg_parser(__doc__, tokens=128, threads=2, ctx=4096, gammas="1,2,3,4,6,8", out="spec")
     ap.add_argument("--scenarios", default="code,prose,q4draft,lookup,selfcheck,peer")
     ap.add_argument("--tools", default=None, help="directory with llama-speculative-simple and llama-quantize")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec.json"))
     ap.add_argument("--summarise", metavar="JSON", help="only print the markdown summary of an earlier run")
     a = ap.parse_args()
     if a.summarise:
@@ -217,7 +212,8 @@ def main() -> None:
         scen -= {"q4draft", "peer"}
 
     import edgerun
-    from edgerun.registry.cache import cache_dir, resolve_model
+    from edgerun.registry.cache import cache_dir
+    from edgerun.resolve import resolve_model
 
     # a fixed gamma at load time: no gamma tuner (and no cost-curve probe); each run sets its own gamma
     common = dict(n_threads=a.threads, n_ctx=a.ctx, flash_attn=True, profile="generic-x86_64-cpu", gamma=4)
@@ -276,12 +272,8 @@ def main() -> None:
     result["wall_s"] = time.perf_counter() - t_start
     for r in result["rows"]:
         r.pop("tokens", None)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
-    print_table(result)
+    write_result(Path(a.out), result)
+    print_tables(result)
     print()
     print(summary_markdown(result))
 
@@ -310,20 +302,19 @@ def summary_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def print_table(result: dict) -> None:
+def print_tables(result: dict) -> None:
     print(f"threads {result['threads']}, {result['tokens']} tokens greedy; load average "
           f"{result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}")
-    head = (f"{'scenario':<14}{'p':>2}{'g':>3}{'tok/s':>8}{'speedup':>8}{'alpha':>7}{'acc/cyc':>8}"
-            f"{'draft ms':>9}{'verify ms':>10}{'pred tok/s':>11}{'meas/pred':>10}{'=plain':>7}{'llama.cpp':>10}{'ratio':>7}")
-    print(head)
+    rows = []
     for r in result["rows"]:
-        g = r["gamma"]
+        spec = [r["alpha"], r["mean_accepted_per_cycle"], r["t_draft_cycle_ms"], r["t_verify_cycle_ms"],
+                r["predicted_tok_s"], r["measured_over_predicted"], "yes" if r["same_as_plain"] else "NO"] \
+            if r["gamma"] else [None] * 7
         peer = r.get("peer", {})
-        print(f"{r['scenario']:<14}{r['prompt']:>2}{g:>3}{r['tok_s']:>8.1f}{r['speedup']:>8.2f}"
-              + (f"{r['alpha']:>7.2f}{r['mean_accepted_per_cycle']:>8.2f}{r['t_draft_cycle_ms']:>9.1f}"
-                 f"{r['t_verify_cycle_ms']:>10.1f}{r['predicted_tok_s']:>11.1f}{r['measured_over_predicted']:>10.2f}"
-                 f"{'yes' if r['same_as_plain'] else 'NO':>7}" if g else " " * 63)
-              + (f"{peer['tok_s']:>10.1f}{r['edgerun_over_peer']:>7.2f}" if peer.get("tok_s") else ""))
+        rows.append([r["scenario"], str(r["prompt"]), str(r["gamma"]), r["tok_s"], r["speedup"], *spec,
+                     peer.get("tok_s"), r.get("edgerun_over_peer") if peer.get("tok_s") else None])
+    print_table(["scenario", "p", "g", "tok/s", "speedup", "alpha", "acc/cyc", "draft ms", "verify ms", "pred tok/s",
+                 "meas/pred", "=plain", "llama.cpp", "ratio"], rows)
     for s in result["selfcheck"]:
         print(f"self-draft {s['model']}: acceptance {s['acceptance_rate']:.3f}, equals plain: {s['same_as_plain']}, "
               f"max |batched - single-token logit| {s['max_logit_diff_batched_vs_single']:.3g}"

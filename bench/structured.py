@@ -16,7 +16,6 @@ Rows (greedy, the same prompt per model, `--rounds` interleaved rounds, medians)
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -28,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness import arg_parser, llama_server  # noqa: E402
 from workloads import DRAFT, SMALL, TARGET  # noqa: E402
 
 from edgerun.constrain import grammar as grammar_mod  # noqa: E402
@@ -152,27 +152,15 @@ def llama_server_rows(binary: str, rts: dict, tokens: int, threads: int, rounds:
     """llama.cpp's own server on the same files, prompt, threads and context: decode tok/s (its timings)
     without and with the same JSON schema (`json_schema` in the /completion request), greedy."""
     import os
-    import socket
-    import subprocess
     import urllib.request
 
     rows = {}
     for key, rt in rts.items():
-        path = rt.target.path
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
         env = dict(os.environ, LD_LIBRARY_PATH=str(Path(binary).parent))
-        proc = subprocess.Popen([binary, "-m", str(path), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
-                                 "-c", "1024", "-np", "1", "--no-webui"], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                    break
-                except OSError:
-                    time.sleep(0.2)
+        with llama_server(binary, rt.target.path, threads=threads, extra=["-c", "1024", "-np", "1", "--no-webui"],
+                          env=env) as server:
+            server.wait_ready()
+            port = server.url.rsplit(":", 1)[1]
             prompt = rt.tokenizer.apply_chat_template(ASK)
             for label, schema in (("plain", None), ("schema", RECORDS)):
                 rates = []
@@ -187,9 +175,6 @@ def llama_server_rows(binary: str, rts: dict, tokens: int, threads: int, rounds:
                 rows[f"llama-server {key} {label}"] = {"tok_s": statistics.median(rates), "acceptance": 0.0,
                                                        "mask_ms_per_token": 0.0, "tokens": tokens,
                                                        "sample": out.get("content", "")[:160]}
-        finally:
-            proc.terminate()
-            proc.wait(30)
     return rows
 
 
@@ -203,20 +188,14 @@ def apply_cost(n_vocab: int, reps: int = 200) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gamma", type=int, default=3)
-    ap.add_argument("--models", default="smollm2,qwen")
+    ap = arg_parser(__doc__, rounds=3, tokens=96, threads=2, gamma=3, models="smollm2,qwen", out="structured")
     ap.add_argument("--llama-server", default=None, help="a llama-server binary (built from the llama-cpp-python "
                     "sdist, see bench/spec.py): the peer, run on the same files after edgerun's rounds")
     ap.add_argument("--valid-n", type=int, default=8, help="sampled answers per model checked with jsonschema")
-    ap.add_argument("--out", default="bench/results/structured.json")
     a = ap.parse_args()
 
     import edgerun
-    from edgerun.spec.drafters import PromptLookupDrafter
+    from edgerun.speculative.drafters import PromptLookupDrafter
 
     results: dict = {"rounds": a.rounds, "tokens": a.tokens, "threads": a.threads, "gamma": a.gamma, "rows": {}}
     systems = []          # (label, model key, messages, schema?, gamma, drafter factory)

@@ -24,13 +24,12 @@ Writes bench/results/tuner.json and prints a table.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from harness import arg_parser, print_table, write_result  # noqa: E402
 from workloads import CODE_PROMPTS, DRAFT, SMALL, TARGET, summarise_prompt  # noqa: E402,F401
 
 PROSE = [
@@ -85,7 +84,7 @@ def run_one(rt, prompt: list[int], n: int, gamma, policy=None) -> dict:
 
 def bench_workload(w: dict, gammas: list[int], n: int, rounds: int, common: dict) -> dict:
     import edgerun
-    from edgerun.spec.gamma import GammaTuner
+    from edgerun.speculative.gamma import GammaTuner
 
     t0 = time.perf_counter()
     rt = edgerun.load(w["model"], draft=w["draft"], **common)      # gamma auto: runs / reads the cost probe
@@ -153,34 +152,26 @@ def cpu_ratios(rows: dict, gammas: list[int]) -> dict:
             "meets_targets": auto >= 0.95 * best and auto >= 0.98 * plain}
 
 
-def print_table(result: dict) -> None:
+def print_tables(result: dict) -> None:
     gammas = result["gammas"]
     print(f"threads {result['threads']}, {result['tokens']} tokens per prompt, greedy, {result['rounds']} round(s); "
-          f"load average {result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}")
-    head = f"{'workload':<10}{'plain':>7}" + "".join(f"{'g=' + str(g):>7}" for g in gammas)
-    head += f"{'auto':>7}{'auto g':>7}{'alpha':>6}{'auto/best':>10}{'auto/plain':>11}  ok  (CPU time: auto/best auto/plain)"
-    print(head + "   (tokens/s)")
+          f"load average {result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}; tokens/s, and CPU time "
+          "auto/best auto/plain")
+    rows = []
     for w in result["workloads"]:
         r = w["rows"]
-        line = f"{w['workload']:<10}{w['plain_tok_s']:>7.1f}" + "".join(f"{r[str(g)]['tok_s']:>7.1f}" for g in gammas)
-        alpha = r["auto"]["acceptance_rate"]
-        line += (f"{w['auto_tok_s']:>7.1f}{r['auto']['gamma_mean']:>7.2f}"
-                 f"{(f'{alpha:.2f}' if alpha is not None else '-'):>6}"
-                 f"{w['auto_over_best']:>10.3f}{w['auto_over_plain']:>11.3f}  {'yes' if w['meets_targets'] else 'NO '}"
-                 f"  {w['cpu']['auto_over_best']:.3f} {w['cpu']['auto_over_plain']:.3f}")
-        print(line)
+        rows.append([w["workload"], w["plain_tok_s"], *(r[str(g)]["tok_s"] for g in gammas), w["auto_tok_s"],
+                     r["auto"]["gamma_mean"], r["auto"]["acceptance_rate"], f"{w['auto_over_best']:.3f}",
+                     f"{w['auto_over_plain']:.3f}", "yes" if w["meets_targets"] else "NO",
+                     f"{w['cpu']['auto_over_best']:.3f} {w['cpu']['auto_over_plain']:.3f}"])
+    print_table(["workload", "plain", *(f"g={g}" for g in gammas), "auto", "auto g", "alpha", "auto/best", "auto/plain",
+                 "ok", "CPU time"], rows)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--gammas", default="1,2,3,4,6,8")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap = arg_parser(__doc__, tokens=128, threads=2, ctx=4096, gammas="1,2,3,4,6,8", rounds=1, out="tuner")
     ap.add_argument("--workloads", default="code,prose,summarise,chat,repeat")
     ap.add_argument("--profile", default="auto")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tuner.json"))
     a = ap.parse_args()
     gammas = [int(g) for g in a.gammas.split(",")]
     common = dict(n_threads=a.threads, n_ctx=a.ctx, flash_attn=True, profile=a.profile)
@@ -192,12 +183,8 @@ def main() -> None:
         result["workloads"].append(bench_workload(w, gammas, a.tokens, a.rounds, common))
     result["loadavg_end"] = os.getloadavg()
     result["wall_s"] = time.perf_counter() - t0
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, out)
-    print_table(result)
+    write_result(Path(a.out), result)
+    print_tables(result)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgerun.device.cost import CostCurve# noqa: E402
-from edgerun.spec.drafters import PromptLookupDrafter, margin_class  # noqa: E402
-from edgerun.spec.gamma import BatchedGamma, GammaTuner  # noqa: E402
+from edgerun.speculative.drafters import PromptLookupDrafter, margin_class  # noqa: E402
+from edgerun.speculative.gamma import BatchedGamma, GammaTuner  # noqa: E402
 
 QWEN_SPEC_CURVE = CostCurve((0.0405, 0.0713, 0.1008, 0.1014, 0.1314, 0.1589, 0.1910, 0.2019, 0.2209), 0.0145)
 

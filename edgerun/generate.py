@@ -28,12 +28,12 @@ from .backends.base import Backend, common_prefix
 from .config import SamplingArgs
 from .constrain.base import Constraint, apply_mask
 from .errors import BackendError, ContextOverflow, InvalidArgument
-from .spec.gamma import FixedGamma, GammaPolicy
-from .spec.sampling import dist, greedy_token, penalised
-from .spec.verify import verify, verify_greedy
+from .speculative.gamma import FixedGamma, GammaPolicy
+from .speculative.sampling import dist, greedy_token, penalised
+from .speculative.verify import verify, verify_greedy
 
 if TYPE_CHECKING:
-    from .spec.drafters import Drafter
+    from .speculative.drafters import Drafter
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,8 @@ def generate(
 ) -> Iterator[Step]:
     """Generate up to max_tokens tokens after prompt_tokens, yielding one Step per committed token.
 
-    drafter: None (plain decoding) or a Drafter (spec/drafters.py). policy: chooses gamma per cycle
-    (spec/gamma.py: FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends
+    drafter: None (plain decoding) or a Drafter (speculative/drafters.py). policy: chooses gamma per cycle
+    (speculative/gamma.py: FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends
     generation (default: the tokenizer's end-of-generation tokens). constraint: a grammar the output
     must follow (constrain/); it is reset here and follows this generation's tokens.
     """

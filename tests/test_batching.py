@@ -19,7 +19,7 @@ from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs
 from edgerun.errors import InvalidArgument
 from edgerun.runtime import load
-from edgerun.spec.sampling import probs
+from edgerun.speculative.sampling import probs
 from test_verify import P_FAIL, P_PASS, chisquare_pooled
 
 # A row's logits, batched with other sequences' rows, against the same row evaluated alone. llama.cpp's
@@ -70,7 +70,7 @@ def test_greedy_batched_equals_alone(tiny_llama, draft, gamma, monkeypatch):
     """Four concurrent greedy generations (plain, prompt lookup, a model drafter on its own batched
     context; a fixed gamma, or the tuner under BatchedGamma) each give the text they give alone; they
     really shared batches."""
-    from edgerun.spec.gamma import BatchedGamma
+    from edgerun.speculative.gamma import BatchedGamma
 
     plain = []
     real = BatchedGamma.plain_cycle
@@ -484,7 +484,7 @@ def test_a_row_mixing_batcher_fails_the_test(tiny_llama, monkeypatch):
 @pytest.mark.real_model
 def test_real_model_greedy_batched_equals_alone():
     """SmolLM2-135M (the registry file), 1 thread: four concurrent greedy generations, each equal to alone."""
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     with _load(path, 4) as rt:
@@ -505,7 +505,7 @@ def test_batched_gamma_prices_the_second_pass_of_a_speculating_sequence():
     (Between 1 and 4 drafts the rate rises with gamma here, so 4 is the best one.) Priced as one pass of
     T(m + gamma) instead, flat would draft 4 at every m and knee 1 at m=4."""
     from edgerun.device.cost import CostCurve
-    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+    from edgerun.speculative.gamma import BatchedGamma, GammaTuner
 
     flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)
     knee = CostCurve(t_verify=tuple(0.010 * max(1, n - 4) for n in range(1, 41)), t_draft=0.001)
@@ -530,7 +530,7 @@ def test_cycles_lowered_by_the_batch_teach_the_tuner_nothing_about_the_drafter()
     earlier code let the tuner read every lowered cycle as "asked for 4, supplied none": supply fell towards
     0, speculation switched off for the pair and was persisted so (tuner_store) for single clients too."""
     from edgerun.device.cost import CostCurve
-    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+    from edgerun.speculative.gamma import BatchedGamma, GammaTuner
 
     flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)
     tuner = GammaTuner(flat, gamma_max=4)
@@ -558,7 +558,7 @@ def test_a_batch_in_which_no_draft_can_pay_runs_plain_without_asking_the_tuner()
     import copy
 
     from edgerun.device.cost import CostCurve
-    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+    from edgerun.speculative.gamma import BatchedGamma, GammaTuner
 
     flat = CostCurve(t_verify=tuple(0.010 for _ in range(40)), t_draft=0.001)
     knee = CostCurve(t_verify=tuple(0.010 * max(1, n - 4) for n in range(1, 41)), t_draft=0.001)
@@ -606,7 +606,7 @@ def test_batch_times_do_not_bend_the_tuners_cost_model():
     clients, the machine 10% slower than the probe and prompts joining every 25th step, leave the model at the
     machine's own T(n)."""
     from edgerun.device.cost import CostCurve
-    from edgerun.spec.gamma import BatchedGamma, GammaTuner
+    from edgerun.speculative.gamma import BatchedGamma, GammaTuner
 
     curve = CostCurve(t_verify=(0.0405, 0.0713, 0.1008, 0.1014, 0.1314, 0.1589, 0.1910, 0.2019, 0.2209),
                       t_draft=0.0145)                      # the Qwen @spec pair's probe on the 2-core Zen 3

@@ -29,9 +29,9 @@ from edgerun.constrain.tools import ToolCallStream, ToolChoice, parse_tool_calls
 from edgerun.errors import InvalidArgument
 from edgerun.generate import GenStats, generate
 from edgerun.reference.llama import ReferenceModel
-from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter
-from edgerun.spec.gamma import FixedGamma
-from edgerun.spec.sampling import probs
+from edgerun.speculative.drafters import ModelDrafter, PromptLookupDrafter
+from edgerun.speculative.gamma import FixedGamma
+from edgerun.speculative.sampling import probs
 from test_verify import P_FAIL, P_PASS, chisquare_pooled
 
 GREEDY = SamplingArgs(temperature=0.0)

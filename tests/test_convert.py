@@ -14,7 +14,7 @@ import pytest
 from edgerun.convert import Int4Checkpoint, convert
 from edgerun.formats.arch import hf_name, permute_qk
 from edgerun.formats.gguf import read_edgerun_metadata
-from edgerun.quant.formats import encode_codes
+from edgerun.quant.blocks import encode_codes
 
 FIX = Path(__file__).parent / "fixtures" / "int4"
 ALL = sorted(p.name for p in FIX.iterdir() if (p / "config.json").is_file())
@@ -263,7 +263,7 @@ def test_imported_onnx_logits_match_the_reference(tmp_path):
     pytest.importorskip("onnxruntime")
     from edgerun.backends.onnxrt import OnnxBackend
     from edgerun.config import BackendArgs
-    from edgerun.quant.formats import fake_quant
+    from edgerun.quant.blocks import fake_quant
     from edgerun.reference.llama import ReferenceModel
 
     name = "awq-gemm-qwen2"
@@ -300,7 +300,7 @@ def test_onnx_of_act_order_gptq_is_requantized_and_says_so(tmp_path):
 
 def test_public_api_is_callable(tmp_path):
     import edgerun
-    import edgerun.convert.cache  # noqa: F401  (importing a submodule keeps edgerun.convert callable)
+    import edgerun.convert.converted  # noqa: F401  (importing a submodule keeps edgerun.convert callable)
 
     rep = edgerun.convert(FIX / "ct-sym-llama", tmp_path / "m.gguf")
     assert rep.storage == {"q4_0": 7} and (tmp_path / "m.gguf").is_file()

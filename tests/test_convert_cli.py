@@ -216,7 +216,7 @@ def test_failed_conversion_leaves_an_existing_output_alone(runner, tmp_path):
 # ----------------------------------------------------------------------------- --model DIR
 
 def test_model_dir_converts_once_into_the_cache(runner, tmp_path, monkeypatch):
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
 
     monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
     d = copy("awq-gemm-qwen2", tmp_path)

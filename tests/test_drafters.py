@@ -1,4 +1,4 @@
-"""Drafters (edgerun/spec/drafters.py): prompt lookup, the model drafter's cache discipline and
+"""Drafters (edgerun/speculative/drafters.py): prompt lookup, the model drafter's cache discipline and
 p_min, and the vocabulary check that refuses a drafter of another model family."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from edgerun.config import SamplingArgs, SpeculativeArgs
 from edgerun.errors import InvalidArgument, VocabMismatch
-from edgerun.spec.drafters import MARGINS, ModelDrafter, PromptLookupDrafter, make_drafter, margin_class
-from edgerun.spec.sampling import dense_rows
+from edgerun.speculative.drafters import MARGINS, ModelDrafter, PromptLookupDrafter, make_drafter, margin_class
+from edgerun.speculative.sampling import dense_rows
 from tinymodel import tiny_vocab
 
 GREEDY = SamplingArgs(temperature=0.0)
@@ -195,11 +195,11 @@ def test_p_min_stops_drafting_when_the_drafter_is_unsure(tiny_model_factory):
 def test_larger_drafter_warns(tiny_model_factory, caplog):
     target = _ref(tiny_model_factory(arch="llama", wtype="f32", seed=0))
     big = _ref(tiny_model_factory(arch="llama", wtype="f32", seed=1, n_embd=128, n_ff=256))
-    with caplog.at_level(logging.WARNING, logger="edgerun.spec.drafters"):
+    with caplog.at_level(logging.WARNING, logger="edgerun.speculative.drafters"):
         ModelDrafter(big, target)
     assert any("larger than target" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="edgerun.spec.drafters"):
+    with caplog.at_level(logging.WARNING, logger="edgerun.speculative.drafters"):
         ModelDrafter(target, big)
     assert not caplog.records
 
@@ -265,7 +265,7 @@ def test_mismatched_vocabulary_is_refused(tiny_model_factory, tmp_path, monkeypa
 def test_padding_entries_are_accepted_and_masked(tiny_model_factory, tmp_path, monkeypatch):
     pytest.importorskip("llama_cpp")
     from edgerun.generate import generate
-    from edgerun.spec.gamma import FixedGamma
+    from edgerun.speculative.gamma import FixedGamma
 
     plain_path = tiny_model_factory(arch="llama", wtype="q8_0", seed=0)
     padded_path = _write_with_vocab(monkeypatch, tmp_path / "padded.gguf", _padded, wtype="q8_0", seed=0)

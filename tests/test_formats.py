@@ -1,11 +1,11 @@
-"""quant/formats.py: byte-exact vs gguf.quants, fake-quant == decode(pack), searched d/m never worse."""
+"""quant/blocks.py: byte-exact vs gguf.quants, fake-quant == decode(pack), searched d/m never worse."""
 
 import gguf
 import numpy as np
 import pytest
 
 from edgerun.errors import QuantizationError
-from edgerun.quant import formats as F
+from edgerun.quant import blocks as F
 
 QT = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
       "q8_0": gguf.GGMLQuantizationType.Q8_0, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL}

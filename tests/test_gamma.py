@@ -12,7 +12,7 @@ import pytest
 
 from edgerun.errors import InvalidArgument
 from edgerun.device.cost import CostCurve
-from edgerun.spec.gamma import FixedGamma, GammaPolicy, GammaTuner, TunerSettings
+from edgerun.speculative.gamma import FixedGamma, GammaPolicy, GammaTuner, TunerSettings
 
 
 def curve(t1: float, r2: float, r4: float, r8: float, r16: float) -> tuple[float, ...]:
@@ -225,7 +225,7 @@ def test_auto_gamma_in_the_decode_loop_keeps_greedy_output(tiny_llama, tmp_path,
     from edgerun.config import BackendArgs, SamplingArgs, SpeculativeArgs
     from edgerun.generate import GenStats, generate
     from edgerun.device.profiles import load_profile
-    from edgerun.spec.drafters import ModelDrafter
+    from edgerun.speculative.drafters import ModelDrafter
 
     args = BackendArgs(n_ctx=256, n_threads=1)
     target = LlamaCppBackend(tiny_llama, args)

@@ -10,7 +10,7 @@ import pytest
 from edgerun.errors import BackendError, InvalidArgument
 from edgerun.device import bandwidth as B
 from edgerun.device import kernels
-from edgerun.device import probecache as store
+from edgerun.device import measurements as store
 from edgerun.device.cost import CostCurve
 from edgerun.device.costprobe import cost_curve_for, measure_verify_curve, probe_costs
 
@@ -114,7 +114,7 @@ def test_drafter_probe_beside_a_contended_target_step_is_not_cached(tiny_target,
     from edgerun.backends.llamacpp import LlamaCppBackend
     from edgerun.config import BackendArgs
     from edgerun.device import costprobe
-    from edgerun.spec.drafters import ModelDrafter
+    from edgerun.speculative.drafters import ModelDrafter
 
     monkeypatch.setattr(costprobe, "_busy", lambda: False)
     draft_be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=256, n_threads=1))
@@ -146,7 +146,7 @@ def test_unsteady_repetitions_are_not_trusted():
 
 def test_cost_probe_with_lookup_drafter(tiny_target):
     from edgerun.device.profiles import load_profile
-    from edgerun.spec.drafters import PromptLookupDrafter
+    from edgerun.speculative.drafters import PromptLookupDrafter
 
     d = PromptLookupDrafter()
     curve = cost_curve_for(tiny_target, d, load_profile("generic-x86_64-cpu"))

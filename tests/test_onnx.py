@@ -26,8 +26,8 @@ from edgerun.generate import GenStats, generate# noqa: E402
 from edgerun.onnx.layout import CONFIG_FILE, DATA_FILE, GENAI_CONFIG_FILE, GENAI_MODEL_FILE, MODEL_FILE, TOKENIZER_FILE, read_config
 from edgerun.onnx.weights import NBits, nbits_dequantize, q8_0_to_nbits
 from edgerun.onnx.export import export_onnx
-from edgerun.spec.drafters import ModelDrafter# noqa: E402
-from edgerun.spec.gamma import FixedGamma# noqa: E402
+from edgerun.speculative.drafters import ModelDrafter# noqa: E402
+from edgerun.speculative.gamma import FixedGamma# noqa: E402
 from edgerun.tokenizer import Tokenizer# noqa: E402
 
 GREEDY = SamplingArgs(temperature=0)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgerun import registry
+from edgerun import registry, resolve
 from edgerun.cli import main
 from edgerun.registry import fetch
 from edgerun.util.resources import data_dir
@@ -118,7 +118,7 @@ def test_pull_assembles_pieces_in_order(env, split_model):
     assert seen[-1] == ("assemble", n, n)
     assert all(a[1] <= b[1] for a, b in zip(seen, seen[1:]))  # never goes backwards
     assert registry.is_cached("tiny-split")
-    assert registry.resolve_model("tiny-split", pull=False) == path
+    assert resolve.resolve_model("tiny-split", pull=False) == path
     assert registry.verify_cached("tiny-split")
 
 
@@ -164,7 +164,7 @@ def test_killed_pull_leaves_no_complete_file_and_next_pull_cleans_up(env, split_
     whole, _ = split_model
     script = textwrap.dedent(f"""
         import os, signal
-        from edgerun import registry
+        from edgerun import registry, resolve
         from edgerun.registry import fetch
         fetch._CHUNK = 1000
         def die(stage, done, total):
@@ -179,20 +179,20 @@ def test_killed_pull_leaves_no_complete_file_and_next_pull_cleans_up(env, split_
     assert any(name.startswith(".tiny-split.gguf.tmp-") for name in left), left
     assert not registry.is_cached("tiny-split")
     with pytest.raises(ModelNotFound, match="edgerun pull tiny-split"):
-        registry.resolve_model("tiny-split", pull=False)
-    assert registry.resolve_model("tiny-split", pull=True).read_bytes() == whole
+        resolve.resolve_model("tiny-split", pull=False)
+    assert resolve.resolve_model("tiny-split", pull=True).read_bytes() == whole
     assert leftovers(home) == ["tiny-split.gguf"]
 
 
 def test_resolve_pulls_missing_and_repulls_truncated(env, split_model, pip_env_links):
     home, _, _ = env
     whole, _ = split_model
-    path = registry.resolve_model("tiny-split")
+    path = resolve.resolve_model("tiny-split")
     assert path.read_bytes() == whole
     with open(path, "r+b") as f:
         f.truncate(100)  # a damaged cache entry is not "cached"
     assert not registry.is_cached("tiny-split")
-    assert registry.resolve_model("tiny-split").read_bytes() == whole
+    assert resolve.resolve_model("tiny-split").read_bytes() == whole
     assert leftovers(home) == ["tiny-split.gguf"]
 
 
@@ -240,7 +240,7 @@ def test_missing_path_inside_wheel(env, split_model):
 
 def test_unknown_name_lists_known_models(env, split_model):
     with pytest.raises(ModelNotFound, match=r"unknown model 'tiny-splt' \(did you mean 'tiny-split'\?\).*tiny-split"):
-        registry.resolve_model("tiny-splt")
+        resolve.resolve_model("tiny-splt")
     with pytest.raises(ModelNotFound, match="known models|tiny-split"):
         registry.pull("nope")
 
@@ -248,16 +248,16 @@ def test_unknown_name_lists_known_models(env, split_model):
 def test_local_paths(env, tmp_path):
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF")
-    assert registry.resolve_model(str(gguf)) == gguf
-    assert registry.resolve_model(gguf) == gguf
+    assert resolve.resolve_model(str(gguf)) == gguf
+    assert resolve.resolve_model(gguf) == gguf
     with pytest.raises(ModelNotFound, match="no such file"):
-        registry.resolve_model(str(tmp_path / "missing.gguf"))
+        resolve.resolve_model(str(tmp_path / "missing.gguf"))
     onnx_dir = tmp_path / "export"
     onnx_dir.mkdir()
     with pytest.raises(ModelFormatError, match="without model.onnx"):
-        registry.resolve_model(str(onnx_dir))
+        resolve.resolve_model(str(onnx_dir))
     (onnx_dir / "model.onnx").write_bytes(b"x")
-    assert registry.resolve_model(str(onnx_dir)) == onnx_dir
+    assert resolve.resolve_model(str(onnx_dir)) == onnx_dir
     assert registry.default_draft_for(str(gguf)) is None
 
 
@@ -388,7 +388,7 @@ def test_a_variant_is_made_once_from_the_registry_file(env, real_model):
 
     home, _, wheels = env
     stages = []
-    path = registry.pull("tiny-real@spec", progress=lambda s, d, t: stages.append(s), find_links=[wheels])
+    path = resolve.pull_model("tiny-real@spec", progress=lambda s, d, t: stages.append(s), find_links=[wheels])
     assert path == registry.cached_path("tiny-real", "spec") and path.name == "tiny-real@spec.gguf"
     assert registry.is_cached("tiny-real") and registry.is_cached("tiny-real", "spec")
     assert "quantize" in stages and "assemble" in stages
@@ -398,16 +398,16 @@ def test_a_variant_is_made_once_from_the_registry_file(env, real_model):
     assert md["edgerun.quant.method"] == "rtn" and md["edgerun.quant.embed_type"] == "q4_0"
     assert md["edgerun.source.sha256"] == sha(real_model)          # what it was made from lives in the file
     mtime = path.stat().st_mtime_ns
-    assert registry.resolve_model("tiny-real@spec", pull=False) == path
-    assert registry.pull("tiny-real", variant="spec", find_links=[wheels]).stat().st_mtime_ns == mtime   # cached
+    assert resolve.resolve_model("tiny-real@spec", pull=False) == path
+    assert resolve.pull_model("tiny-real", variant="spec", find_links=[wheels]).stat().st_mtime_ns == mtime   # cached
     assert leftovers(home) == ["tiny-real.gguf", "tiny-real@spec.gguf"]      # no temporaries
 
 
 def test_unknown_or_unmade_variants_are_refused_clearly(env, real_model):
     with pytest.raises(ModelNotFound, match=r"has no variant 'fast'; its variants: tiny-real@spec"):
-        registry.resolve_model("tiny-real@fast", pull=False)
+        resolve.resolve_model("tiny-real@fast", pull=False)
     with pytest.raises(ModelNotFound, match=r"run `edgerun pull tiny-real --variant spec` first"):
-        registry.resolve_model("tiny-real@spec", pull=False)
+        resolve.resolve_model("tiny-real@spec", pull=False)
     r = CliRunner().invoke(main, ["pull", "tiny-real", "--variant", "fast"])
     assert r.exit_code == 2 and r.output.startswith("error: ") and "its variants: tiny-real@spec" in r.output
     rows = json.loads(CliRunner().invoke(main, ["list", "--json"]).output)

@@ -5,7 +5,7 @@ import pytest
 
 from edgerun.config import SamplingArgs
 from edgerun.errors import InvalidArgument
-from edgerun.spec.sampling import Dist, apply_repeat_penalty, dist, probs, sample
+from edgerun.speculative.sampling import Dist, apply_repeat_penalty, dist, probs, sample
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))  # softmax at T=1 gives these probabilities
 

@@ -26,10 +26,10 @@ from edgerun.backends.reference import ReferenceBackend
 from edgerun.config import BackendArgs, SamplingArgs
 from edgerun.generate import GenStats, generate
 from edgerun.reference.llama import ReferenceModel
-from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter
-from edgerun.spec.gamma import FixedGamma
-from edgerun.spec.sampling import dense_rows, probs
-from edgerun.spec.verify import verify
+from edgerun.speculative.drafters import ModelDrafter, PromptLookupDrafter
+from edgerun.speculative.gamma import FixedGamma
+from edgerun.speculative.sampling import dense_rows, probs
+from edgerun.speculative.verify import verify
 from test_verify import P_FAIL, P_PASS, chisquare_pooled, wrong_residual
 
 GREEDY = SamplingArgs(temperature=0.0)

@@ -1,4 +1,4 @@
-"""The rejection sampler (edgerun/spec/verify.py): greedy behaviour, edge cases, and a chi-square
+"""The rejection sampler (edgerun/speculative/verify.py): greedy behaviour, edge cases, and a chi-square
 proof that speculative sampling reproduces the target distribution (and that a wrong residual fails).
 
 The statistical part simulates whole generations of 3 tokens with a target and a drafter that are
@@ -14,8 +14,8 @@ from scipy import stats
 
 from edgerun.config import SamplingArgs
 from edgerun.errors import InvalidArgument
-from edgerun.spec.sampling import Dist, greedy_token, probs, sample
-from edgerun.spec.verify import residual, verify, verify_greedy
+from edgerun.speculative.sampling import Dist, greedy_token, probs, sample
+from edgerun.speculative.verify import residual, verify, verify_greedy
 
 P_PASS = 1e-3    # a correct sampler must not be rejected at this level (fixed seeds: deterministic)
 P_FAIL = 1e-6    # a wrong sampler must be rejected at least this clearly

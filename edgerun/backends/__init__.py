@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..config import BackendArgs
 from ..errors import ModelFormatError, ModelNotFound
+from ..formats.ggufscan import read_info
 
 
 def open_backend(path: str | Path, args: BackendArgs | None = None, cluster=None):
@@ -19,6 +20,7 @@ def open_backend(path: str | Path, args: BackendArgs | None = None, cluster=None
         if not (p / "model.onnx").exists():
             raise ModelFormatError(f"{p} is a directory without model.onnx; expected a .gguf file or a "
                                    f"directory written by `edgerun export onnx`")
+        # the engines load lazily: onnxruntime is an optional extra, and llama_cpp loads libllama (native)
         from .onnxrt import OnnxBackend
 
         return OnnxBackend(p, args)
@@ -34,12 +36,8 @@ def model_memory(path: str | Path, n_ctx: int) -> tuple[int, int]:
         weights = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
         tok = p / "tokenizer.gguf"
         kv = 0
-        from ..formats.ggufscan import read_info
-
         if tok.exists():
             kv = read_info(tok).kv_cache_bytes(n_ctx, bytes_per_value=4)   # the ONNX backend keeps f32 K/V
         return weights, kv
-    from ..formats.ggufscan import read_info
-
     info = read_info(p)
     return info.file_size, info.kv_cache_bytes(n_ctx)

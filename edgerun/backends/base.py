@@ -45,27 +45,6 @@ class Backend(Protocol):
     # decoding (backends/batch.py's SeqBackend: a lone sequence of a batching group).
 
 
-@runtime_checkable
-class MultiSequenceBackend(Backend, Protocol):
-    """A Backend whose context holds n_seq sequences (continuous batching, backends/batch.py). The Backend
-    methods are sequence 0's; these reach any sequence, and evaluate rows of several in one pass."""
-
-    n_seq: int
-
-    def seq_tokens(self, seq: int) -> list[int]:
-        """The tokens cached for sequence `seq` (the list itself)."""
-        ...
-
-    def eval_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
-        """rows[i] = (seq, tokens, k), each sequence at most once, tokens already checked (check_eval):
-        append them all in one pass; return each row's float32 logits [k, n_vocab]."""
-        ...
-
-    def truncate_seq(self, seq: int, n: int) -> None:
-        """Keep the first n positions of sequence `seq`."""
-        ...
-
-
 def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) -> tuple[list[int], int]:
     """The argument checks every backend's eval makes. Returns (tokens as ints, k logits rows to return).
     Called once a token on a lone client's path: keep it lean (no import here, ~30 µs a call right after an

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import psutil
 
 from .base import check_eval
 from ..config import BackendArgs
@@ -53,7 +54,7 @@ _GPU_MEMORY = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cu
 
 
 def _ort():
-    try:
+    try:    # lazily: onnxruntime is the optional 'onnx' extra
         import onnxruntime
     except ImportError as e:  # pragma: no cover - depends on the install
         raise BackendError(f"onnxruntime is not installed ({e}); install it with "
@@ -86,8 +87,6 @@ def select_providers(requested: Sequence[str], available: Sequence[str] | None =
 
 
 def default_threads() -> int:
-    import psutil
-
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from .base import check_eval
 from ..errors import InvalidArgument
 from ..reference.llama import ReferenceModel
+from ..tokenizer import Tokenizer
 
 
 class ReferenceBackend:
@@ -30,8 +31,6 @@ class ReferenceBackend:
             self.model = source
             self.name = name or "reference:<weights>"
         else:
-            from ..tokenizer import Tokenizer
-
             path = Path(source)
             self.model = ReferenceModel.from_gguf(path, dtype=dtype)
             tokenizer = tokenizer or Tokenizer.from_gguf(path)

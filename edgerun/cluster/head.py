@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .. import llama_lib
+from ..errors import ClusterError, InvalidArgument
+from ..formats.ggufscan import read_info
 from . import rpc, split
 from .status import require_all, status
 
@@ -42,16 +45,12 @@ class Cluster:
         for ep in self.endpoints:
             handles.extend(rpc.remote_devices(ep))
         if len(handles) != len(self.devices):
-            from ..errors import ClusterError
-
             raise ClusterError(f"the workers now offer {len(handles)} devices, {len(self.devices)} at the status "
                                f"check; did one restart with other --device options?")
         self.handles = handles
 
     def model_params(self, params) -> None:
         """Point llama_model_params at the workers' devices, with the placement's layers and shares."""
-        from .. import llama_lib
-
         n_max = int(llama_lib.lib().llama_max_devices())
         devs = (ctypes.c_void_p * (len(self.handles) + 1))(*self.handles, None)
         shares = (ctypes.c_float * max(n_max, len(self.handles)))(*self.placement.shares)
@@ -75,9 +74,6 @@ def plan(endpoints, tensor_split, target_path: str | Path, *, kv_bytes: int,
          n_gpu_layers: int | None = None) -> Cluster:
     """Check the workers (child process), place the target's layers and check each worker's memory.
     ClusterError / InvalidArgument / MemoryBudgetError with one line naming the worker; nothing is loaded."""
-    from ..errors import InvalidArgument
-    from ..formats.ggufscan import read_info
-
     eps = rpc.parse_endpoints(endpoints)
     shares = split.parse_tensor_split(tensor_split)
     rpc.require_rpc("--rpc")

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import psutil
+
+from .. import llama_lib
 from ..errors import ClusterError, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -83,8 +86,6 @@ def parse_endpoints(value: str | Iterable[str] | None) -> tuple[Endpoint, ...]:
 # --- the libraries ----------------------------------------------------------------------------------------
 
 def supports_rpc() -> bool:
-    from .. import llama_lib
-
     return bool(llama_lib.lib().llama_supports_rpc())
 
 
@@ -131,7 +132,7 @@ def _loaded(name: str) -> str:
     """The file of `name` that libllama's process already has loaded (from /proc/self/maps), else the
     soname file next to libllama. Wheels hold copies, not symlinks, of libggml.so / .so.0 / .so.0.x: a
     dlopen of another copy would load a second ggml with its own state (abort hook, registry)."""
-    import llama_cpp.llama_cpp as bindings
+    import llama_cpp.llama_cpp as bindings         # lazily, as llama_lib: libllama loads only when used
 
     try:
         with open("/proc/self/maps") as f:
@@ -253,8 +254,6 @@ def _addresses(host: str) -> set[str]:
 def lost_workers(endpoints: Sequence[Endpoint]) -> list[Endpoint]:
     """The workers this process no longer holds an established connection to (the worker closed it: its
     process died, or its SSH tunnel did). Read from the kernel's socket table, without touching ggml."""
-    import psutil
-
     live = set()
     for c in psutil.Process().net_connections(kind="tcp4"):
         if c.raddr and c.status == psutil.CONN_ESTABLISHED:

@@ -75,6 +75,7 @@ def layer_bytes(info) -> tuple[dict[int, int], int, int]:
     """(bytes of each repeating layer, bytes of the output layer, bytes of the token embeddings) from a
     GGUF header. A model without output.weight (tied embeddings) gets a copy of the embeddings on the
     output layer's device, as llama.cpp makes one."""
+    # lazily: importing gguf-py costs ~0.3 s (measured here); the option checks that import this module do not need it
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     per: dict[int, int] = {}

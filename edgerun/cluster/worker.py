@@ -15,7 +15,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..backends.llamacpp import default_threads
 from ..errors import ClusterError, InvalidArgument
+from ..util.home import cache_dir as home
 from . import rpc
 
 log = logging.getLogger(__name__)
@@ -59,8 +61,6 @@ def cache_dir(value: str | None) -> Path | None:
     if value is None or value == "none":
         return None
     if value == "default":
-        from ..registry.cache import cache_dir as home
-
         return home() / "rpc-cache"
     return Path(value).expanduser()
 
@@ -113,8 +113,6 @@ def prepare(config: WorkerConfig) -> tuple[list, Path | None, int]:
             raise ClusterError(f"cannot create the worker's weight cache {cache}: {e.strerror}; give "
                                f"--cache DIR or --cache none") from None
     _check_port_free(config.host, config.port)
-    from ..backends.llamacpp import default_threads
-
     return devices, cache, config.threads or default_threads()
 
 

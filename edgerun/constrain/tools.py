@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..errors import InvalidArgument
-from .grammar import JSON_OPTIONS, Grammar
+from .grammar import JSON_OPTIONS, Grammar, special_token_name
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -141,8 +141,6 @@ def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, *, parallel: bool = 
 
 def special_tag_ids(tokenizer) -> tuple[int, int] | None:
     """Token ids of <tool_call> and </tool_call> if both are single special tokens of this vocabulary."""
-    from .grammar import special_token_name
-
     if not (special_token_name(tokenizer, OPEN) and special_token_name(tokenizer, CLOSE)):
         return None
     return (tokenizer.tokenize(OPEN, special=True, add_bos=False)[0],

@@ -6,7 +6,7 @@
     store.py       GGUF storage of an Int4 (Q4_0 / Q4_1 / Q5_0 / F16) with exactness statistics
     onnx_view.py   the ONNX exporter's view: MatMulNBits with the checkpoint's groups and zero points
     convert.py     convert(src, out): GGUF or ONNX, atomic; ConvertReport
-    cache.py       --model DIR: convert once into the models cache, keyed by the checkpoint's content hash
+    converted.py   --model DIR: convert once into the models cache, keyed by the checkpoint's content hash
 """
 
 from .checkpoint import Int4Checkpoint, is_int4_checkpoint

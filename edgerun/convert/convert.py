@@ -13,15 +13,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
 
-from .. import __version__
+from ..version import __version__
 from ..errors import InvalidArgument, QuantizationError
-from ..formats.arch import tensor_shape
+from ..formats.arch import hf_name, tensor_shape
 from ..formats.gguf import KV, TensorPlan, source_kv, write_gguf
+from ..onnx.export import export_onnx
+from ..onnx.layout import read_config
 from ..util.atomic import check_destination
 from .checkpoint import Int4Checkpoint
 from .store import StoreStat, choose_type, store
+from .onnx_view import CheckpointView
 from .unpack import Int4
 
 log = logging.getLogger(__name__)
@@ -84,17 +88,14 @@ def _planned_type(ckpt: Int4Checkpoint, name: str, exact: bool) -> str:
 
 
 def ckpt_module(ckpt: Int4Checkpoint, name: str) -> str:
-    from ..formats.arch import hf_name
     return hf_name(ckpt.cfg, name).rsplit(".", 1)[0]
 
 
 def _ggml(t: str):
-    import gguf
     return getattr(gguf.GGMLQuantizationType, t.upper())
 
 
 def _metadata(ckpt: Int4Checkpoint, report: ConvertReport, types: dict[str, str], exact: bool) -> list[KV]:
-    import gguf
     T = gguf.GGUFValueType
     int4 = sorted({t for n, t in types.items() if ckpt.is_quantized(n)})
     fmt = int4[0] if len(int4) == 1 else "mixed"
@@ -171,10 +172,6 @@ def _to_gguf(ckpt: Int4Checkpoint, out: Path, report: ConvertReport, exact: bool
 
 
 def _to_onnx(ckpt: Int4Checkpoint, out: Path, report: ConvertReport, n_ctx, accuracy_level, force, progress) -> None:
-    from ..onnx.export import export_onnx
-    from ..onnx.layout import read_config
-    from .onnx_view import CheckpointView
-
     meta = {"edgerun.quant.method": "import", "edgerun.import.source_format": report.scheme,
             "edgerun.import.group_size": report.group_size, "edgerun.import.zero_point": report.zero_point,
             "edgerun.source.sha256": ckpt.sha256(), "edgerun.source.name": ckpt.name, "edgerun.version": __version__}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..onnx.weights import NBits
+from ..onnx.weights import NBits, Source
 from .checkpoint import Int4Checkpoint
 from .unpack import Int4
 
@@ -59,8 +59,6 @@ class CheckpointView:
         return np.ascontiguousarray(self.src.tensor(name), dtype=np.float32)
 
     def nbits(self, name: str, requant: str = "q4_0") -> NBits:
-        from ..onnx.weights import Source
-
         w = self.src.weight(name)
         if isinstance(w, Int4) and w.blockwise and w.g % 32 == 0:
             exact = "lossless" if w.m is None else "lossless codes; fp16 offset -s*z taken as (q - z)*s"

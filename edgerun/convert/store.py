@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import gguf
 import numpy as np
 
-from ..quant.formats import QK, encode_codes
+from ..quant.blocks import QK, encode_codes
 from .unpack import Int4
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,6 @@ def _per_block(a: np.ndarray, g: int) -> np.ndarray:
     return np.repeat(a, g // QK, axis=1)
 
 
-def _fp16_exact(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float16).astype(np.float64) == a.astype(np.float64)
-
-
 def choose_type(w: Int4, exact: bool) -> str:
     if not w.blockwise or w.g % QK:
         return "f16"
@@ -63,8 +60,6 @@ def choose_type(w: Int4, exact: bool) -> str:
 
 def store(name: str, w: Int4, exact: bool) -> tuple[str, np.ndarray, StoreStat]:
     """(type, raw array for the GGUF writer, stats) of one INT4 weight [N, K] in GGUF layout."""
-    import gguf
-
     fmt = choose_type(w, exact)
     ref = w.dequantize().astype(np.float64)                                   # [N, K] what the checkpoint means
     if fmt == "f16":

@@ -23,7 +23,7 @@ import psutil
 
 from ..errors import BackendError, InvalidArgument
 from . import kernels
-from .probecache import atomic_write_json, device_identity, key_of, probes_dir, read_json
+from .measurements import atomic_write_json, device_identity, key_of, probes_dir, read_json
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..config import SamplingArgs
 from ..errors import EdgerunError
 from .cost import N_MAX, CostCurve
-from .probecache import atomic_write_json, device_identity, file_sha256, key_of, probes_dir, read_json
+from .measurements import atomic_write_json, device_identity, file_sha256, key_of, probes_dir, read_json
 
 log = logging.getLogger(__name__)
 

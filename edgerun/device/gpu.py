@@ -144,16 +144,15 @@ def enforce(status: GpuStatus, require: bool) -> None:
     log.warning("%s. Fix: %s. (--require-gpu makes this an error.)", status.problem, status.fix)
 
 
-def status_for(profile: DeviceProfile, model: str | None = None) -> GpuStatus:
-    """check() for `edgerun profile show/detect`: of this llama.cpp build, or of MODEL (a cached registry name
-    or a .gguf path; nothing is downloaded) loaded without a context (weights only, mmapped) to see where
-    its layers land."""
-    if model is None:
+def status_for(profile: DeviceProfile, model_path=None) -> GpuStatus:
+    """check() for `edgerun profile show/detect`: of this llama.cpp build, or of the model file at model_path
+    (the CLI resolves a name, downloading nothing) loaded without a context (weights only, mmapped) to see
+    where its layers land."""
+    if model_path is None:
         return check(profile)
     from .. import llama_lib
-    from ..registry.cache import resolve_model
 
-    m = llama_lib.Model.load(resolve_model(model, pull=False), n_gpu_layers=profile.llama.n_gpu_layers)
+    m = llama_lib.Model.load(model_path, n_gpu_layers=profile.llama.n_gpu_layers)
     try:
         return check(profile, m)
     finally:

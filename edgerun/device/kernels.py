@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..util.atomic import atomic_path
 from ..util.resources import data_dir
-from .probecache import home
+from ..util.home import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def source(name: str) -> Path:
 
 
 def kernels_dir() -> Path:
-    return home() / "kernels"
+    return cache_dir() / "kernels"
 
 
 def find_compiler(kind: str = "c") -> str | None:

@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..backends import open_backend
+from ..config import BackendArgs
 from ..errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -114,9 +116,6 @@ def perplexity(model: str | Path, text: str, *, ctx: int = 512, n_threads: int |
                max_windows: int | None = None, text_name: str = "",
                progress: Callable[[str, int, int], None] | None = None) -> PerplexityResult:
     """Perplexity of the GGUF (or ONNX directory) at `model` on `text` (see the module docstring for the method)."""
-    from ..backends import open_backend
-    from ..config import BackendArgs
-
     if not isinstance(ctx, int) or ctx < 16 or ctx % 2:
         raise InvalidArgument(f"ctx must be an even integer >= 16, got {ctx!r}")
     t0 = time.perf_counter()

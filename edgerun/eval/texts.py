@@ -25,7 +25,7 @@ BUILTIN = ("builtin", "pydoc", "stdlib-code")
 
 def pydoc_text() -> str:
     """The Python reference prose of this interpreter (~465k characters), topics in sorted order."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics        # lazily: 465k characters of data, read only for this text
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
 
 

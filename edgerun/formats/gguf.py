@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
+import gguf
 import numpy as np
 
 from .arch import ModelConfig, config_from_gguf_fields, get_arch, tensor_names
@@ -73,7 +74,6 @@ class GGUFSource:
     """A GGUF model whose tensors `gguf.quants` can dequantize (F32/F16/BF16/Q8_0/Q4_K/...)."""
 
     def __init__(self, path: str | Path):
-        import gguf
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFormatError(f"{self.path}: no such file; expected a .gguf model file")
@@ -112,7 +112,6 @@ class GGUFSource:
 
     def kv(self) -> list[KV]:
         """Every metadata key/value of the file with its type (for copying)."""
-        import gguf
         out = []
         for key, f in self.reader.fields.items():
             if not f.types:
@@ -138,7 +137,6 @@ class GGUFSource:
 
     def tensor(self, name: str) -> np.ndarray:
         """float32 [out, in] (or [n] for vectors); dequantized if stored quantized."""
-        import gguf
         t = self._tensors[name]
         try:
             a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
@@ -150,7 +148,6 @@ class GGUFSource:
 
     def embedding_rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows of token_embd for token ids [n] -> float32 [n, n_embd], dequantizing only those rows."""
-        import gguf
         t = self._tensors["token_embd.weight"]
         uniq, inv = np.unique(np.asarray(ids, dtype=np.int64), return_inverse=True)
         rows = np.asarray(t.data)[uniq]                         # [n_uniq, row_bytes or n_embd]
@@ -165,7 +162,6 @@ class GGUFSource:
 
 def hparam_kv(cfg: ModelConfig) -> list[KV]:
     """The architecture keys llama.cpp reads for a llama-like model."""
-    import gguf
     T = gguf.GGUFValueType
     a = cfg.arch
     return [
@@ -189,7 +185,6 @@ def source_kv(src) -> list[KV]:
     if isinstance(src, GGUFSource):
         return [kv for kv in src.kv() if not kv.key.startswith(_SKIP_KV_PREFIXES)
                 and kv.key != "general.architecture"]
-    import gguf
     return [KV("general.name", src.name, gguf.GGUFValueType.STRING), *hparam_kv(src.cfg), *src.tokenizer_kv()]
 
 
@@ -207,7 +202,6 @@ class TensorPlan:
 
 
 def tensor_nbytes(shape: Sequence[int], qtype) -> int:
-    import gguf
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape))
     if shape[-1] % block:
@@ -232,7 +226,6 @@ def write_gguf(path: str | Path, arch: str, kvs: Sequence[KV], plan: Sequence[Te
 
 def _write_gguf(tmp: Path, arch: str, kvs: Sequence[KV], plan: Sequence[TensorPlan], data: Iterator[np.ndarray],
                 file_type: int | None) -> None:
-    import gguf
     w = None
     try:
         w = gguf.GGUFWriter(tmp, arch)
@@ -275,6 +268,5 @@ def _write_gguf(tmp: Path, arch: str, kvs: Sequence[KV], plan: Sequence[TensorPl
 
 def read_edgerun_metadata(path: str | Path) -> dict[str, Any]:
     """The edgerun.* keys of a GGUF file."""
-    import gguf
     r = gguf.GGUFReader(path)
     return {k: f.contents() for k, f in r.fields.items() if k.startswith("edgerun.")}

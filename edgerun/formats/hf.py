@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
+from gguf.vocab import BpeVocab, SpecialVocab
 
 from .arch import ModelConfig, arch_for_hf, config_from_hf, hf_name, permute_qk, read_hf_config, tensor_names
 from ..errors import ModelFormatError, QuantizationError
@@ -228,8 +230,6 @@ def pre_tokenizer_type(tj: dict, family_default: str) -> str:
 
 def hf_tokenizer_kv(directory: Path, tokenizer_pre: str, n_vocab: int) -> list[KV]:
     """GGUF tokenizer keys from a checkpoint's tokenizer.json (GPT-2 byte-level BPE) and tokenizer_config.json."""
-    import gguf
-    from gguf.vocab import BpeVocab, SpecialVocab
     T = gguf.GGUFValueType
     directory = Path(directory)
     tj_path = directory / "tokenizer.json"

@@ -8,9 +8,12 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
 
 from ..formats.arch import get_arch
+from ..formats.gguf import source_kv
+from ..tokenizer import Tokenizer
 from ..util.atomic import atomic_dir
 from ..errors import InvalidArgument, ModelFormatError
 from .graph import build
@@ -20,15 +23,14 @@ from .weights import Source
 
 log = logging.getLogger(__name__)
 
+# onnx (the optional 'onnx' extra, ~2.4 s to import measured here) is imported inside the functions that write
+# a graph: importing this module (edgerun convert, the CLI) does not need it
+
 
 # ---------------------------------------------------------------------------------- side files
 
 def _write_tokenizer_gguf(src: Source, path: Path) -> None:
     """The source's metadata (tokenizer.*, hyperparameters, general.*) and no tensors."""
-    import gguf
-
-    from ..formats.gguf import source_kv
-
     w = gguf.GGUFWriter(str(path), src.arch)
     for kv in source_kv(src.src):
         if kv.sub_type == gguf.GGUFValueType.ARRAY:
@@ -110,8 +112,6 @@ def export_onnx(src: str | Path, out_dir: str | Path, *, n_ctx: int | None = Non
     1 = fp32, the exact product of the dequantized weights). force: replace an existing export.
     source: an already opened Source of `src` (edgerun.convert passes its view of an INT4 checkpoint).
     """
-    from ..tokenizer import Tokenizer
-
     src_path = Path(src)
     out = Path(out_dir)
     if accuracy_level not in (0, 1, 2, 3, 4):

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------- graph
 
+# onnx (the optional 'onnx' extra, ~2.4 s to import measured here) is imported inside the methods that build
+# the graph, so that importing the exporter does not need it
+
+
 class _Graph:
     """Nodes, initializers (big ones streamed to the external data file) and value infos."""
 
@@ -107,127 +111,155 @@ def _linears(g: _Graph, x: str, ws: list[NBits], name: str, acc: int, bias: np.n
     return y
 
 
-def build(src: Source, n_ctx: int, accuracy_level: int, data_path: Path
-           ) -> tuple[Any, int, dict[str, str]]:
-    """The ONNX ModelProto, weight bytes per forward, and the per-tensor conversion notes."""
-    from onnx import TensorProto, helper
-
-    cfg = src.cfg
-    spec = get_arch(src.arch)
-    D, H, Hkv, hd, L = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_layer
-    V = cfg.n_vocab
-    conv: dict[str, str] = {}
-    weight_bytes = 0
-    g = _Graph(data_path)
-
-    def load(name: str, requant: str = "q4_0") -> NBits:
-        w = src.nbits(name, requant)
-        conv[name] = w.note
-        return w
-
-    def vec(name: str) -> np.ndarray:
-        return src.float32(name).reshape(-1)
-
-    # graph inputs
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
-                                            ["batch_size", "total_sequence_length"])]
-    kv_shape = ["batch_size", Hkv, "past_sequence_length", hd]
-    present_shape = ["batch_size", Hkv, "total_sequence_length", hd]
+def _io(helper, TensorProto, cfg, kind: str) -> list:
+    """The graph's inputs (kind 'in': ids, mask, past K/V per layer, logits to keep) or outputs ('out': logits,
+    present K/V per layer), genai's names and dynamic axes."""
+    Hkv, hd, L = cfg.n_head_kv, cfg.head_dim, cfg.n_layer
+    if kind == "in":
+        out = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+               helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                             ["batch_size", "total_sequence_length"])]
+        shape, key, value = ["batch_size", Hkv, "past_sequence_length", hd], past_key, past_value
+    else:
+        out = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "logits_length", cfg.n_vocab])]
+        shape, key, value = ["batch_size", Hkv, "total_sequence_length", hd], present_key, present_value
     for i in range(L):
-        inputs.append(helper.make_tensor_value_info(past_key(i), TensorProto.FLOAT, kv_shape))
-        inputs.append(helper.make_tensor_value_info(past_value(i), TensorProto.FLOAT, kv_shape))
-    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
+        out.append(helper.make_tensor_value_info(key(i), TensorProto.FLOAT, shape))
+        out.append(helper.make_tensor_value_info(value(i), TensorProto.FLOAT, shape))
+    if kind == "in":
+        out.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, [1]))
+    return out
 
-    # GQA's lengths from the attention mask: seqlens_k = sum(mask) - 1, total = mask.shape[1]
+
+def _lengths(g: _Graph, TensorProto) -> tuple[str, str]:
+    """GQA's lengths from the attention mask: seqlens_k = sum(mask) - 1, total = mask.shape[1]."""
     (msum,) = g.node("ReduceSum", ["attention_mask", g.const("axes_1", [1])], name="mask/ReduceSum", keepdims=0)
     (msub,) = g.node("Sub", [msum, g.const("one_i64", 1)], name="mask/Sub")
     (seqlens_k,) = g.node("Cast", [msub], name="mask/seqlens_k", to=TensorProto.INT32)
     (mshape,) = g.node("Shape", ["attention_mask"], name="mask/Shape")
     (tot64,) = g.node("Gather", [mshape, g.const("idx_1", 1)], name="mask/Gather", axis=0)
     (total,) = g.node("Cast", [tot64], name="mask/total_len", to=TensorProto.INT32)
-    cos, sin = rope_tables(src, cfg, n_ctx)
-    cos_n, sin_n = g.init("rope.cos_cache", cos), g.init("rope.sin_cache", sin)
+    return seqlens_k, total
 
-    # embedding: GatherBlockQuantized on the MatMulNBits-layout table (shared with a tied LM head)
-    emb = load("token_embd.weight", requant="q8_0")
-    emb_q = g.init("token_embd.qweight", emb.packed)                                  # [V, nb, 32*bits/8]
-    emb_s = g.init("token_embd.gather_scales", emb.scales[..., None])                 # [V, nb, 1]
-    (e,) = g.node("GatherBlockQuantized", [emb_q, "input_ids", emb_s], domain="com.microsoft",
-                  name="embed/GatherBlockQuantized", bits=emb.bits, block_size=BLOCK, gather_axis=0,
-                  quantize_axis=2)                                                    # [B, S, nb, 32]
-    (h,) = g.node("Reshape", [e, g.const("embed_shape", [0, 0, D])], name="embed/Reshape")
 
-    (x,) = g.node("SimplifiedLayerNormalization", [h, g.init("blk.0.attn_norm.weight", vec("blk.0.attn_norm.weight"))],
-                  name="blk.0/attn_norm", axis=-1, epsilon=cfg.rms_eps, stash_type=1)
-    for i in range(L):
-        p = f"blk.{i}."
-        qkv = [load(p + n + ".weight") for n in ("attn_q", "attn_k", "attn_v")]
-        weight_bytes += sum(w.nbytes for w in qkv)
+class _Builder:
+    """What the decoder's parts share while the graph is built: the source, the graph, the conversion notes
+    and the weight bytes read per forward."""
+
+    def __init__(self, src: Source, g: _Graph, accuracy_level: int) -> None:
+        self.src, self.g, self.acc = src, g, accuracy_level
+        self.cfg, self.spec = src.cfg, get_arch(src.arch)
+        self.conv: dict[str, str] = {}
+        self.weight_bytes = 0
+
+    def load(self, name: str, requant: str = "q4_0") -> NBits:
+        w = self.src.nbits(name, requant)
+        self.conv[name] = w.note
+        return w
+
+    def vec(self, name: str) -> np.ndarray:
+        return self.src.float32(name).reshape(-1)
+
+    def embedding(self) -> tuple[NBits, str, str]:
+        """GatherBlockQuantized on the MatMulNBits-layout table (shared with a tied LM head): (table, its packed
+        initializer, h [B, S, D])."""
+        g = self.g
+        emb = self.load("token_embd.weight", requant="q8_0")
+        emb_q = g.init("token_embd.qweight", emb.packed)                                  # [V, nb, 32*bits/8]
+        emb_s = g.init("token_embd.gather_scales", emb.scales[..., None])                 # [V, nb, 1]
+        (e,) = g.node("GatherBlockQuantized", [emb_q, "input_ids", emb_s], domain="com.microsoft",
+                      name="embed/GatherBlockQuantized", bits=emb.bits, block_size=BLOCK, gather_axis=0,
+                      quantize_axis=2)                                                    # [B, S, nb, 32]
+        (h,) = g.node("Reshape", [e, g.const("embed_shape", [0, 0, self.cfg.n_embd])], name="embed/Reshape")
+        return emb, emb_q, h
+
+    def block(self, i: int, x: str, h: str, lengths: tuple[str, str], rope: tuple[str, str]) -> tuple[str, str]:
+        """Layer i: attention (fused QKV, GroupQueryAttention with rotary), the FFN (fused gate/up, SiLU), each
+        behind SkipSimplifiedLayerNormalization; returns (the next layer's normed input, the residual)."""
+        g, cfg, acc, p = self.g, self.cfg, self.acc, f"blk.{i}."
+        names = ("attn_q", "attn_k", "attn_v")
+        qkv = [self.load(p + n + ".weight") for n in names]
+        self.weight_bytes += sum(w.nbytes for w in qkv)
         bias = None
-        if any(p + n + ".bias" in src.names for n in ("attn_q", "attn_k", "attn_v")):
-            bias = np.concatenate([vec(p + n + ".bias") if p + n + ".bias" in src.names
-                                   else np.zeros(w.n, np.float32) for n, w in zip(("attn_q", "attn_k", "attn_v"), qkv)])
-        y = _linears(g, x, qkv, p + "attn_qkv", accuracy_level, bias)                 # [B, S, (H + 2 Hkv) hd]
-        attn, _, _ = g.node("GroupQueryAttention", [y, "", "", past_key(i), past_value(i), seqlens_k, total,
-                                                    cos_n, sin_n],
+        if any(p + n + ".bias" in self.src.names for n in names):
+            bias = np.concatenate([self.vec(p + n + ".bias") if p + n + ".bias" in self.src.names
+                                   else np.zeros(w.n, np.float32) for n, w in zip(names, qkv)])
+        y = _linears(g, x, qkv, p + "attn_qkv", acc, bias)                             # [B, S, (H + 2 Hkv) hd]
+        attn, _, _ = g.node("GroupQueryAttention", [y, "", "", past_key(i), past_value(i), *lengths, *rope],
                             domain="com.microsoft", name=p + "attn/GroupQueryAttention",
                             outputs=[p + "attn/out", present_key(i), present_value(i)],
-                            num_heads=H, kv_num_heads=Hkv, do_rotary=1, local_window_size=-1,
-                            rotary_interleaved=1 if spec.rope_style == "norm" else 0,
-                            scale=float(1.0 / np.sqrt(hd)))                             # [B, S, H hd]
-        wo = load(p + "attn_output.weight")
-        weight_bytes += wo.nbytes
-        o = _matmul(g, attn, wo, p + "attn_output", accuracy_level)
-        x, _, _, h = g.node("SkipSimplifiedLayerNormalization", [o, h, g.init(p + "ffn_norm.weight", vec(p + "ffn_norm.weight"))],
+                            num_heads=cfg.n_head, kv_num_heads=cfg.n_head_kv, do_rotary=1, local_window_size=-1,
+                            rotary_interleaved=1 if self.spec.rope_style == "norm" else 0,
+                            scale=float(1.0 / np.sqrt(cfg.head_dim)))                 # [B, S, H hd]
+        wo = self.load(p + "attn_output.weight")
+        self.weight_bytes += wo.nbytes
+        o = _matmul(g, attn, wo, p + "attn_output", acc)
+        x, _, _, h = g.node("SkipSimplifiedLayerNormalization",
+                            [o, h, g.init(p + "ffn_norm.weight", self.vec(p + "ffn_norm.weight"))],
                             n_out=4, domain="com.microsoft", name=p + "ffn_norm", epsilon=cfg.rms_eps)
-        gu = [load(p + "ffn_gate.weight"), load(p + "ffn_up.weight")]
-        wd = load(p + "ffn_down.weight")
-        weight_bytes += sum(w.nbytes for w in gu) + wd.nbytes
-        y = _linears(g, x, gu, p + "ffn_gate_up", accuracy_level, None)               # [B, S, 2 n_ff]
+        gu = [self.load(p + "ffn_gate.weight"), self.load(p + "ffn_up.weight")]
+        wd = self.load(p + "ffn_down.weight")
+        self.weight_bytes += sum(w.nbytes for w in gu) + wd.nbytes
+        y = _linears(g, x, gu, p + "ffn_gate_up", acc, None)                           # [B, S, 2 n_ff]
         gate, up = g.node("Split", [y, g.const(p + "ffn_split", [gu[0].n, gu[1].n])], n_out=2,
                           name=p + "ffn/Split", axis=-1)
         (sg,) = g.node("Sigmoid", [gate], name=p + "ffn/Sigmoid")
         (silu,) = g.node("Mul", [gate, sg], name=p + "ffn/SiLU")
         (act,) = g.node("Mul", [silu, up], name=p + "ffn/Mul")                          # [B, S, n_ff]
-        m = _matmul(g, act, wd, p + "ffn_down", accuracy_level)
-        nxt = f"blk.{i + 1}.attn_norm.weight" if i + 1 < L else "output_norm.weight"
-        x, _, _, h = g.node("SkipSimplifiedLayerNormalization", [m, h, g.init(nxt, vec(nxt))], n_out=4,
+        m = _matmul(g, act, wd, p + "ffn_down", acc)
+        nxt = f"blk.{i + 1}.attn_norm.weight" if i + 1 < cfg.n_layer else "output_norm.weight"
+        x, _, _, h = g.node("SkipSimplifiedLayerNormalization", [m, h, g.init(nxt, self.vec(nxt))], n_out=4,
                             domain="com.microsoft", name=nxt.rsplit(".", 1)[0], epsilon=cfg.rms_eps)
+        return x, h
 
-    # keep the last k positions: k = num_logits_to_keep if > 0 else all
-    (xshape,) = g.node("Shape", [x], name="head/Shape")
-    (s_len,) = g.node("Gather", [xshape, g.const("idx_1b", [1])], name="head/seq_len", axis=0)        # [1]
-    k_in = LOGITS_TO_KEEP                                                                           # [1]
-    (k_min,) = g.node("Min", [k_in, s_len], name="head/Min")
-    (pos,) = g.node("Greater", [k_in, g.const("zero_1", [0])], name="head/Greater")
-    (k,) = g.node("Where", [pos, k_min, s_len], name="head/Where")
-    (start,) = g.node("Sub", [s_len, k], name="head/start")
-    (xs,) = g.node("Slice", [x, start, g.const("int64_max", [np.iinfo(np.int64).max]), g.const("axes_1b", [1])],
-                   name="head/Slice")                                                  # [B, k, D]
-    if cfg.tied:
-        lm = emb
-        lm_b = g.init("lm_head.scales", lm.scales)
-        (logits,) = g.node("MatMulNBits", [xs, emb_q, lm_b], domain="com.microsoft", name="lm_head/MatMulNBits",
-                           outputs=["logits"], K=lm.k, N=lm.n, bits=lm.bits, block_size=BLOCK,
-                           accuracy_level=accuracy_level)
-    else:
-        lm = load("output.weight", requant="q8_0")
-        b = g.init("lm_head.qweight", lm.packed)
-        s = g.init("lm_head.scales", lm.scales)
-        (logits,) = g.node("MatMulNBits", [xs, b, s], domain="com.microsoft", name="lm_head/MatMulNBits",
-                           outputs=["logits"], K=lm.k, N=lm.n, bits=lm.bits, block_size=BLOCK,
-                           accuracy_level=accuracy_level)
-    weight_bytes += lm.nbytes
+    def head(self, x: str, emb: NBits, emb_q: str) -> None:
+        """The LM head on the last k positions (k = num_logits_to_keep if > 0, else all): 'logits'."""
+        g = self.g
+        (xshape,) = g.node("Shape", [x], name="head/Shape")
+        (s_len,) = g.node("Gather", [xshape, g.const("idx_1b", [1])], name="head/seq_len", axis=0)        # [1]
+        k_in = LOGITS_TO_KEEP                                                                           # [1]
+        (k_min,) = g.node("Min", [k_in, s_len], name="head/Min")
+        (pos,) = g.node("Greater", [k_in, g.const("zero_1", [0])], name="head/Greater")
+        (k,) = g.node("Where", [pos, k_min, s_len], name="head/Where")
+        (start,) = g.node("Sub", [s_len, k], name="head/start")
+        (xs,) = g.node("Slice", [x, start, g.const("int64_max", [np.iinfo(np.int64).max]), g.const("axes_1b", [1])],
+                       name="head/Slice")                                                  # [B, k, D]
+        if self.cfg.tied:
+            lm, b = emb, emb_q
+            s = g.init("lm_head.scales", lm.scales)
+        else:
+            lm = self.load("output.weight", requant="q8_0")
+            b = g.init("lm_head.qweight", lm.packed)
+            s = g.init("lm_head.scales", lm.scales)
+        g.node("MatMulNBits", [xs, b, s], domain="com.microsoft", name="lm_head/MatMulNBits", outputs=["logits"],
+               K=lm.k, N=lm.n, bits=lm.bits, block_size=BLOCK, accuracy_level=self.acc)
+        self.weight_bytes += lm.nbytes
+
+
+def build(src: Source, n_ctx: int, accuracy_level: int, data_path: Path
+          ) -> tuple[Any, int, dict[str, str]]:
+    """The ONNX ModelProto, weight bytes per forward, and the per-tensor conversion notes."""
+    from onnx import TensorProto, helper
+
+    cfg = src.cfg
+    g = _Graph(data_path)
+    b = _Builder(src, g, accuracy_level)
+    inputs = _io(helper, TensorProto, cfg, "in")
+    lengths = _lengths(g, TensorProto)
+    cos, sin = rope_tables(src, cfg, n_ctx)
+    rope = (g.init("rope.cos_cache", cos), g.init("rope.sin_cache", sin))
+    emb, emb_q, h = b.embedding()
+    norm0 = g.init("blk.0.attn_norm.weight", b.vec("blk.0.attn_norm.weight"))
+    (x,) = g.node("SimplifiedLayerNormalization", [h, norm0], name="blk.0/attn_norm", axis=-1, epsilon=cfg.rms_eps,
+                  stash_type=1)
+    for i in range(cfg.n_layer):
+        x, h = b.block(i, x, h, lengths, rope)
+    b.head(x, emb, emb_q)
     g.close()
-
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "logits_length", V])]
-    for i in range(L):
-        outputs.append(helper.make_tensor_value_info(present_key(i), TensorProto.FLOAT, present_shape))
-        outputs.append(helper.make_tensor_value_info(present_value(i), TensorProto.FLOAT, present_shape))
-    graph = helper.make_graph(g.nodes, f"edgerun-{src.arch}", inputs, outputs, initializer=g.inits)
+    graph = helper.make_graph(g.nodes, f"edgerun-{src.arch}", inputs, _io(helper, TensorProto, cfg, "out"),
+                              initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid("com.microsoft", 1)],
                               producer_name="edgerun")
     model.ir_version = IR_VERSION
-    return model, weight_bytes, conv
+    return model, b.weight_bytes, b.conv

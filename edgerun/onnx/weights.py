@@ -8,11 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
+from ..formats.source import open_source
 from ..formats.arch import ModelConfig
+from ..formats.gguf import GGUFSource
 from ..errors import ModelFormatError, ModelNotFound
-from ..quant.formats import q4_0_to_matmulnbits
+from ..llama_lib import check_gguf
+from ..quant.blocks import pack, q4_0_to_matmulnbits
 from .layout import BLOCK
 
 
@@ -73,10 +77,6 @@ class Source:
     """The exporter's view of a model (edgerun.formats): metadata, and each weight as MatMulNBits."""
 
     def __init__(self, path: Path) -> None:
-        from ..formats.gguf import GGUFSource
-        from ..formats import open_source
-        from ..llama_lib import check_gguf
-
         if not path.exists():
             raise ModelNotFound(f"model not found: {path}; expected a .gguf file or a Hugging Face "
                                 f"checkpoint directory")
@@ -103,10 +103,6 @@ class Source:
 
     def nbits(self, name: str, requant: str = "q4_0") -> NBits:
         """A 2-D weight as MatMulNBits: Q4_0/Q8_0 blocks as they are, anything else re-quantized to `requant`."""
-        import gguf
-
-        from ..quant.formats import pack
-
         T = gguf.GGMLQuantizationType
         kind = self.src.tensor_type(name) if self.is_gguf else None
         if kind == T.Q4_0:

@@ -13,7 +13,7 @@ Pure functions on one scale group (linears sharing an input X [n, in]):
 - `choose_block_params(fmt, w_scaled, stats, s)`: the per-block clipping search: each block's d
   (and m) chosen to minimise sum_j E[(x_j / s_j)^2] e_j^2 (or e^T G e with the block Gram matrix
   G of X / s when the stats carry it: slower, slightly better), optionally also weighted per
-  element by sqrt(sigma2 + w^2) (`formats.element_importance`).
+  element by sqrt(sigma2 + w^2) (`blocks.element_importance`).
 
 Scales may be tied (`tie` [in] -> index into a smaller vector): GQA's o-projection input channels
 that read the same v channel must share one scale, because 1/s is folded into that v row.
@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import formats as F
+from . import blocks as F
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def choose_block_params(fmt: str, w_scaled: np.ndarray, stats: GroupStats, s: np
                         element: bool = False) -> F.BlockParams:
     """Each block's d (and m) minimising the activation-weighted error of that block on X / s.
 
-    element: weight each element also by sqrt(sigma2 + w^2) (`formats.element_importance`).
+    element: weight each element also by sqrt(sigma2 + w^2) (`blocks.element_importance`).
     """
     if stats.gram is not None:
         return F.search_params(fmt, w_scaled, block_gram_scaled(stats.gram, s))

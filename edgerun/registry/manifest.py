@@ -12,9 +12,10 @@ from typing import Mapping
 from pathlib import Path
 
 
+from ..config import QuantArgs
+from ..errors import EdgerunError, ModelNotFound, RegistryError
 from ..util import strict_yaml
 from ..util.resources import data_dir
-from ..errors import EdgerunError, ModelNotFound, RegistryError
 
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,6 @@ class Variant:
     grid: int = 20
 
     def quant_args(self):
-        from ..config import QuantArgs
-
         return QuantArgs(method=self.method, format=self.format, embed_type=self.embed_type, calib=self.calib,
                          calib_tokens=self.calib_tokens, grid=self.grid)
 

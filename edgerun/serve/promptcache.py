@@ -15,7 +15,10 @@ import threading
 from collections import OrderedDict
 from typing import Any, Sequence
 
+import psutil
+
 from ..backends.base import common_prefix
+from ..errors import EdgerunError
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +31,6 @@ def sized(mib: int) -> "PromptCache | None":
     small board's cache cannot take the memory the model and its KV caches were checked against."""
     if mib <= 0:
         return None
-    import psutil
-
     want = mib * 1024 * 1024
     cap = psutil.virtual_memory().available // 4
     if want > cap:
@@ -90,8 +91,6 @@ class PromptCache:
         and restore a saved sequence if it shares at least MIN_GAIN more positions with the prompt than the
         slot's own cache. Returns the positions restored (0: none). Failures are logged, never raised: the
         request then simply evaluates its prompt."""
-        from ..errors import EdgerunError
-
         own = common_prefix(target.tokens, prompt)
         n, state = self.best(prompt)
         restore = state is not None and n >= own + MIN_GAIN

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 from collections import Counter
@@ -17,7 +18,13 @@ try:                                   # uvicorn's C-parser protocol (httptools,
 except ImportError:                    # pragma: no cover - the serve extra installs it
     HttpToolsProtocol = None
 
-from ..errors import EdgerunError, ModelNotFound
+from ..cluster.rpc import parse_endpoints
+from ..cluster.status import require_all, status
+from ..device import gpu
+from ..device.detect import resolve as resolve_profile
+from ..errors import ClusterError, EdgerunError, ModelNotFound
+from ..registry.manifest import get_manifest
+from ..resolve import resolve_model
 from .app import _State, create_app
 from .settings import ServerConfig, is_loopback
 
@@ -31,18 +38,9 @@ def precheck(config: ServerConfig) -> None:
     """Fail before binding the socket when a model name can never resolve (typo, missing file).
 
     A registry model that is not cached yet passes: it is pulled after the socket is bound."""
-    from ..registry.manifest import get_manifest
-    from ..registry.cache import resolve_model
-
     if config.require_gpu:             # a llama.cpp without a GPU fails before the socket is bound
-        from ..device import gpu
-        from ..device.detect import resolve
-
-        gpu.enforce(gpu.check(resolve(config.profile)[0], require=True), True)
+        gpu.enforce(gpu.check(resolve_profile(config.profile)[0], require=True), True)
     if config.rpc:                     # the workers answer and speak our protocol (asked in a child process)
-        from ..cluster.rpc import parse_endpoints
-        from ..cluster.status import require_all, status
-
         require_all(status(parse_endpoints(config.rpc)))
     for spec in (config.model, config.draft):
         if spec in (None, "auto", "none", "lookup"):
@@ -133,8 +131,6 @@ if HttpToolsProtocol is not None:
 def http_protocol() -> type:
     """The guarded protocol uvicorn serves with: httptools where installed (the serve extra), else h11.
     EDGERUN_HTTP=h11 picks h11 (a fallback, and the baseline of the comparison in docs/batching.md)."""
-    import os
-
     if HttpToolsProtocol is not None and os.environ.get("EDGERUN_HTTP", "auto") != "h11":
         return _GuardedHttpTools
     return _GuardedH11
@@ -213,8 +209,6 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
     finally:
         sock.close()
     if state.lost_worker is not None:
-        from ..errors import ClusterError
-
         raise ClusterError(state.lost_worker)
     err = state.scheduler.load_error
     if err is not None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+from importlib import metadata
 import shlex
 import socket
 import sys
 from pathlib import Path
 from typing import Mapping
 
+from ..device.detect import resolve
 from ..errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -182,10 +184,6 @@ def render_unit(exec_start: str | None = None, *, env_file: str = DEFAULT_ENV_FI
 
 def build_flags(profile: str = "auto") -> dict:
     """How deploy/install.sh builds llama-cpp-python here: the device profile's CMAKE_ARGS and env."""
-    from importlib import metadata
-
-    from ..device.detect import resolve
-
     prof, why = resolve(profile)
     pin = None
     try:

@@ -13,9 +13,12 @@ import json
 import logging
 from pathlib import Path
 
-from ..registry.cache import cache_dir
+import gguf
+
 from ..util.atomic import write_json
+from ..util.home import cache_dir
 from .checkpoint import Int4Checkpoint
+from .convert import convert
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +47,6 @@ def _read_index(d: Path) -> dict:
 
 def converted_model(directory: str | Path, *, exact: bool = False) -> Path:
     """The cached GGUF of INT4 checkpoint `directory`, converting it first if it is not there yet."""
-    from .convert import convert
-
     ckpt = Int4Checkpoint(directory)
     d = converted_dir()
     d.mkdir(parents=True, exist_ok=True)
@@ -64,8 +65,6 @@ def converted_model(directory: str | Path, *, exact: bool = False) -> Path:
 
 def list_converted() -> list[dict]:
     """The converted models in the cache: name, path, size, source format and source hash."""
-    import gguf
-
     rows = []
     d = converted_dir()
     for p in sorted(d.glob("*.gguf")) if d.is_dir() else ():

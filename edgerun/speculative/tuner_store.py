@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..config import SamplingArgs
 from ..device.costprobe import drafter_key, target_key
-from ..device.probecache import atomic_write_json, key_of, probes_dir, read_json
+from ..device.measurements import atomic_write_json, key_of, probes_dir, read_json
 from .gamma import GammaTuner
 
 log = logging.getLogger(__name__)

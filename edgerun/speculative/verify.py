@@ -5,7 +5,7 @@ replacement is drawn from the residual norm(max(0, p_i - q_i)); if every draft i
 token is drawn from p_gamma. The committed tokens then follow the target distribution p exactly,
 whatever q is. A drafter without probabilities (q None) is a point mass on its own tokens.
 
-Rows are `Dist`s (spec/sampling.py: a support and its probabilities) or dense [rows, V] arrays; the
+Rows are `Dist`s (speculative/sampling.py: a support and its probabilities) or dense [rows, V] arrays; the
 residual only needs p's support (max(0, p - q) is 0 wherever p is), so no vocabulary-sized vector is
 built.
 """

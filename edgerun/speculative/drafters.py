@@ -1,7 +1,7 @@
 """Drafters: what proposes the tokens the target verifies. A model on its own backend, or prompt lookup.
 
 A drafter's `propose(context, gamma, sampling, rng, constraint)` returns (tokens, q): up to gamma
-drafted tokens and q, one `Dist` over the target's ids per token (spec/sampling.py: the distribution
+drafted tokens and q, one `Dist` over the target's ids per token (speculative/sampling.py: the distribution
 it was drawn from, after the same sampling transforms the target gets; with top-k a few dozen
 entries, not a vocabulary-sized row), or q None when the draft is a deterministic function of the
 context (prompt lookup; any drafter under greedy decoding): verify then treats it as a point mass. With a constraint (a grammar), a model drafter
@@ -323,7 +323,7 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
     if spec == "lookup":
         return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
     from ..backends import open_backend
-    from ..registry.cache import resolve_model
+    from ..resolve import resolve_model
 
     path = Path(resolve_model(spec, pull=pull))
     backend = open_backend(path, backend_args or BackendArgs())

@@ -17,18 +17,13 @@ from typing import Any
 import psutil
 
 from ..util import atomic
+from ..util.home import cache_dir
 
 log = logging.getLogger(__name__)
 
 
-def home() -> Path:
-    """$EDGERUN_HOME, default ~/.cache/edgerun (the same root as the model cache)."""
-    env = os.environ.get("EDGERUN_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "edgerun"
-
-
 def probes_dir() -> Path:
-    return home() / "probes"
+    return cache_dir() / "probes"
 
 
 def cpu_brand() -> str:

@@ -1,16 +1,20 @@
 """What `edgerun profile probe` measures: memory bandwidth, and the cost curve of a model pair.
 
-Returns plain dicts (the CLI prints them as a table or JSON). Both results are cached.
+Returns plain dicts (the CLI prints them as a table or JSON). Both results are cached. It loads models,
+so it sits above device/ (which backends use) beside its caller, not inside it.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..config import SpeculativeArgs
-from .profiles import DeviceProfile
-from . import bandwidth as B
-from .costprobe import probe_costs, verify_ratios
+from .backends import open_backend
+from .config import SpeculativeArgs
+from .device import bandwidth as B
+from .device.costprobe import probe_costs, verify_ratios
+from .device.profiles import DeviceProfile
+from .resolve import resolve_model
+from .speculative.drafters import make_drafter
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +39,6 @@ def bandwidth_report(profile: DeviceProfile, *, array_bytes: int | None = None, 
 def cost_report(profile: DeviceProfile, model: str, draft: str | None = None, *, remeasure: bool = False,
                 pull: bool = True, n_ctx: int = 512) -> dict:
     """Load the target (+ drafter) with the profile's settings and measure (or read) the cost curve."""
-    from ..registry.cache import resolve_model
-    from ..backends import open_backend
-    from ..spec.drafters import make_drafter
-
     args = profile.backend_args(n_ctx=n_ctx)
     target = open_backend(resolve_model(model, pull=pull), args)
     try:

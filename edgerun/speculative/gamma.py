@@ -184,7 +184,8 @@ class GammaTuner:
         """Tuner for a loaded target + drafter: cached/measured cost curve (roofline if not measured),
         one acceptance model per hint class the drafter reports. The curve is measured up to gamma_max + 1
         rows; BatchedGamma (continuous batching) reads it further, extended linearly from its last points
-        (CostCurve.verify): probing every batch size up to 36 rows took over two minutes at start-up."""
+        (CostCurve.verify), because probing every batch size a batch can reach would lengthen start-up by
+        minutes (docs/batching.md)."""
         from ..device.costprobe import cost_curve_for
 
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
@@ -195,7 +196,7 @@ class GammaTuner:
         """A tuner with this one's cost curve, gamma_max, classes and settings, and nothing learned."""
         return GammaTuner(self.cost, self.gamma_max, n_classes=self.n_classes, seed=seed, settings=self.settings)
 
-    # -- what was learned, to persist between processes (spec/tuner_store.py) --------------------
+    # -- what was learned, to persist between processes (speculative/tuner_store.py) --------------------
     _ARRAYS = ("_acc", "_seen", "_asked", "_got", "_shape", "_shape_n", "_current", "_n_drafting",
                "_explore_interval", "_since_explore")
     _SCALARS = ("_load", "_td_ratio", "_t_miss", "_sync_ratio")
@@ -506,8 +507,8 @@ class GammaTuner:
         class's acceptance (switch_on_z sds below the mean): it must beat plain decoding by the hysteresis
         margin and save, over the next explore_every cycles, more than the drafter's catch-up costs. A win
         predicted from a few drafts, or from what another text taught the class, is not enough to pay for a
-        switch (measured, all-Q4_K Qwen pair on a Xeon: prose answers in new processes ran at 0.89-0.93x plain
-        under the mean-based rule); the budgeted explorations add the data that narrows the bound."""
+        switch that the next rejections undo (docs/gamma.md has the runs that slowed down under a mean-based
+        rule); the budgeted explorations add the data that narrows the bound."""
         # the confidence asked for scales with what a wrong switch costs: the drafts and the catch-up, in
         # target steps (a model drafter on a CPU: the full bound; prompt lookup, whose drafts are free: none)
         tv1 = self._tv_table()[0]

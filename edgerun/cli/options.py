@@ -1,0 +1,131 @@
+"""The options of the commands that load a model (generate, chat), their checks before anything loads,
+and loading the runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..cluster.rpc import parse_endpoints, require_rpc
+from ..cluster.split import parse_tensor_split
+from ..config import DEFAULT_MODEL, SamplingArgs
+from ..constrain.grammar import grammar_from_options
+from ..errors import InvalidArgument
+from ..runtime import load
+from .progress import progress_printer
+
+
+def model_options(f):
+    """Options shared by every command that loads a model."""
+    opts = [
+        click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
+                     help="Registry name (see `edgerun list`), .gguf path, or exported ONNX directory."),
+        click.option("--draft", default="auto", show_default=True,
+                     help="Drafter: 'auto' (the registry's pair, else none), 'none', 'lookup', or a model."),
+        click.option("--gamma", default="auto", show_default=True,
+                     help="Draft length per cycle: an integer (0 = plain decoding) or 'auto' (tuned)."),
+        click.option("--profile", "profile_name", default="auto", show_default=True,
+                     help="Device profile name or YAML path ('auto' detects the board)."),
+        click.option("--ctx", "n_ctx", type=int, default=None, help="Context size in tokens (profile default)."),
+        click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (profile default)."),
+        click.option("--gpu-layers", "n_gpu_layers", type=int, default=None, help="Layers offloaded to the GPU."),
+        click.option("--no-pull", is_flag=True, help="Fail instead of downloading a model that is not cached."),
+        click.option("--rpc", default=None, metavar="HOST:PORT,...",
+                     help="Split the target over these RPC workers (`edgerun worker`; reach them through SSH "
+                          "tunnels). The drafter stays here. docs/cluster.md"),
+        click.option("--tensor-split", default=None, metavar="SHARES",
+                     help="With --rpc: the share of each worker device (e.g. 3,1), optionally one more (last) "
+                          "for this machine. Default: by the workers' free memory."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def sampling_options(f):
+    opts = [
+        click.option("--max-tokens", "-n", type=int, default=256, show_default=True, help="Tokens to generate at most."),
+        click.option("--temperature", "-t", type=float, default=None, help="0 = greedy. Default 0.8."),
+        click.option("--top-k", type=int, default=None, help="Keep the k most likely tokens (0 = off). Default 40."),
+        click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1]. Default 0.95."),
+        click.option("--min-p", type=float, default=None, help="Drop tokens below min_p x the top probability. Default 0.05."),
+        click.option("--repeat-penalty", type=float, default=None, help="Penalty on recent tokens (1 = off)."),
+        click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc=None,
+                 tensor_split=None, require_gpu=False):
+    return load(model, draft=draft, profile=profile_name, n_ctx=n_ctx, n_threads=n_threads,
+                n_gpu_layers=n_gpu_layers, gamma=gamma, pull=not no_pull, progress=progress_printer(),
+                rpc=rpc, tensor_split=tensor_split, require_gpu=require_gpu)
+
+
+# --require-gpu of generate and chat (serve's is in serve/settings.py, with the same variable)
+require_gpu_option = click.option(
+    "--require-gpu", is_flag=True, envvar="EDGERUN_REQUIRE_GPU", show_envvar=True,
+    help="Fail (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile (Jetson, "
+         "Apple) whose GPU is not used only warns. docs/devices.md")
+
+
+def check_cluster_options(rpc, tensor_split) -> None:
+    """--rpc / --tensor-split errors before anything loads (the workers themselves are asked at load)."""
+    eps = parse_endpoints(rpc)
+    parse_tensor_split(tensor_split)
+    if tensor_split and not eps:
+        raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
+    if eps:
+        require_rpc("--rpc")
+
+
+def sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed) -> dict:
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    SamplingArgs(**kw)          # validate before any model is loaded
+    return kw
+
+
+def read_arg_file(value: str, option: str, *, json_or_file: bool) -> str:
+    """An option's text: the file it names, or (json_or_file) the value itself when it is inline JSON."""
+    if json_or_file and value.lstrip().startswith(("{", "[")):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        what = "a JSON file or inline JSON" if json_or_file else "a file"
+        raise InvalidArgument(f"{option}: {value!r:.80} is not {what}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"{option}: cannot read {path}: {e}") from None
+
+
+def structure_kw(json_schema: str | None, grammar: str | None) -> dict:
+    """--json-schema / --grammar -> the runtime's keyword arguments (checked before a model loads)."""
+    if json_schema is not None and grammar is not None:
+        raise InvalidArgument("give at most one of --json-schema and --grammar")
+    kw = {}
+    if json_schema is not None:
+        kw["json_schema"] = read_arg_file(json_schema, "--json-schema", json_or_file=True)
+    if grammar is not None:
+        kw["grammar"] = read_arg_file(grammar, "--grammar", json_or_file=False)
+    grammar_from_options(**kw)          # JSON and option errors now; the rest compiles against the vocabulary
+    return kw
+
+
+structure_options = [
+    click.option("--json-schema", default=None,
+                 help="Constrain the output to this JSON Schema (a file, or inline JSON)."),
+    click.option("--grammar", default=None,
+                 help="Constrain the output to the grammar in this file: Lark (with a `start:` rule) or a regex."),
+]
+
+
+def with_structure_options(f):
+    for o in reversed(structure_options):
+        f = o(f)
+    return f
