@@ -245,7 +245,7 @@ def measure(args) -> dict:
     from edgerun import llama_lib
     from edgerun.config import BackendArgs, SpeculativeArgs
     from edgerun.device.costprobe import measure_draft_step, measure_verify_times
-    from edgerun.spec.drafters import make_drafter
+    from edgerun.speculative.drafters import make_drafter
 
     res: dict = {"note": "random weights with the real pair's tensor shapes and storage types: step times depend on "
                          "those, not on the values", "n_gpu_layers": args.n_gpu_layers,

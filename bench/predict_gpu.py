@@ -1,7 +1,7 @@
 """A PREDICTION, not a measurement: the gamma edgerun's tuner would choose on a GPU board, and its speed-up
 over plain decoding, for the real Qwen2.5-Coder 1.5B + 0.5B pair.
 
-The tuner's own code (edgerun/spec/gamma.py: GammaTuner.rates, the cost model it decides with every
+The tuner's own code (edgerun/speculative/gamma.py: GammaTuner.rates, the cost model it decides with every
 cycle) is fed
 - a cost curve T(n)/T(1), n = 1..9 (one target eval of n tokens with logits at every position), and the
   drafter's step / the target's step;
@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgerun.device.cost import CostCurve  # noqa: E402
-from edgerun.spec.gamma import GammaTuner  # noqa: E402
+from edgerun.speculative.gamma import GammaTuner  # noqa: E402
 
 GAMMA_MAX = 8
 N_OBSERVED = 1e4
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     curves = dict(CURVES)
     for p in a.curve:
         curves[Path(p).stem] = curve_from_file(p)
-    doc = {"what": "PREDICTION of edgerun's gamma tuner (edgerun/spec/gamma.py), not a measurement",
+    doc = {"what": "PREDICTION of edgerun's gamma tuner (edgerun/speculative/gamma.py), not a measurement",
            "acceptance_source": ACCEPTANCE_SOURCE, "gamma_max": GAMMA_MAX, "curves": {}}
     print("PREDICTED (the tuner's cost model fed a curve + CPU-measured acceptance; not measured on a GPU)\n")
     print("| curve | T(2)/T(1) | T(4)/T(1) | T(9)/T(1) | drafter step / T(1) | workload | gamma per margin class "
