@@ -56,3 +56,7 @@ class QuantizationError(EdgerunError):
 
 class ClusterError(EdgerunError):
     """An RPC worker is unreachable, busy, speaks another protocol, or was lost; or the build has no RPC."""
+
+
+class HubError(RegistryError):
+    """A Hugging Face hub name cannot be fetched: gated, unreachable, no usable file, or a bad download."""
