@@ -255,3 +255,17 @@ def auto_draft(model: str) -> str | None:
     pick = hub.cached(model)
     pairs = draft_pairs(pick) if pick is not None else []
     return pairs[0] if pairs else "lookup"
+
+
+def hub_rows() -> list[dict]:
+    """`edgerun list` rows for the pulled hub models: revision, files, and the drafters `--draft auto` finds."""
+    rows = []
+    for p in hub.list_pulled():
+        pairs = draft_pairs(p) if p.kind != "float" else []
+        rows.append({"name": p.name, "kind": f"hub {p.kind}", "arch": p.extra.get("arch", ""),
+                     "quant": p.primary if p.kind == "gguf" else p.kind, "size": p.size, "cached": True,
+                     "draft": (pairs[0] if pairs else "lookup") if p.kind != "float" else None,
+                     "draft_pairs": pairs, "path": str(p.model_path), "description": f"{p.repo_id} at {p.revision}",
+                     "license": "", "revision": p.revision, "requested_revision": p.requested_revision,
+                     "pulled_at": p.pulled_at, "files": sorted(p.files)})
+    return rows
