@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -241,9 +242,11 @@ def list_pulled() -> list[Pick]:
 
 def describe_cached(repo_id: str | None = None) -> str:
     """One phrase naming what the cache holds (of one repo, or all), for error messages."""
-    picks = [p for p in list_pulled() if repo_id is None or p.repo_id == repo_id]
+    every = list_pulled()
+    picks = [p for p in every if repo_id is None or p.repo_id == repo_id]
     if not picks:
-        return f"nothing from {repo_id} is cached" if repo_id else "no hub model is cached"
+        others = f" (other hub models cached: {', '.join(p.name for p in every)})" if every else ""
+        return (f"nothing from {repo_id} is cached" if repo_id else "no hub model is cached") + others
     return "cached: " + ", ".join(f"{p.name} (revision {p.revision[:12]})" for p in picks)
 
 
@@ -396,7 +399,9 @@ def plan(name: HubName, *, accept_float: bool = False, progress: Progress | None
     if "config.json" not in by_path or not any(p.endswith(".safetensors") for p in paths):
         raise ModelNotFound(f"{name}: {name.repo_id} holds neither a GGUF file nor a safetensors checkpoint; "
                             f"{_offer(paths)}")
-    config_dir = _fetch(name, commit, by_path["config.json"], progress)
+    repo_dir(name.repo_id).mkdir(parents=True, exist_ok=True)
+    with pull_lock(repo_dir(name.repo_id) / "repo"):
+        config_dir = _fetch(name, commit, by_path["config.json"], progress)
     try:
         config = json.loads((config_dir / "config.json").read_text())
     except ValueError as e:
@@ -476,8 +481,10 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
         headers = build_hf_headers(token=_token(), library_name="edgerun", library_version=__version__)
         with _hub_errors(name), open(part, "ab") as out:
             try:
+                bar = {"tqdm_class": _bar(progress, f.path)} \
+                    if "tqdm_class" in inspect.signature(http_get).parameters else {}     # older clients: their own
                 http_get(url, out, resume_size=have, headers=headers, expected_size=f.size,
-                         displayed_filename=f.path, tqdm_class=_bar(progress, f.path))
+                         displayed_filename=f.path, **bar)
             except _network_errors():
                 raise
             except OSError as e:        # a size mismatch or a write error: the part is kept for the next try
