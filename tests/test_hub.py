@@ -54,6 +54,11 @@ def repos(tmp_path_factory):
     write_tiny_model(d / "big-F32.gguf", n_embd=512, n_ff=2048, n_layer=1, seed=2)
     d = r["tiny/awq-llama"] = root / "awq-llama"
     shutil.copytree(FIX / "awq-gemm-llama", d, ignore=shutil.ignore_patterns("dequant.npz"))
+    d = r["tiny/awq-gpt2"] = root / "awq-gpt2"                 # an INT4 checkpoint of an architecture not converted
+    shutil.copytree(FIX / "awq-gemm-llama", d, ignore=shutil.ignore_patterns("dequant.npz"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (d / "config.json").write_text(json.dumps(cfg))
     d = r["tiny/float-llama"] = root / "float-llama"
     config, hf = tiny_weights("llama", 2, 64, 4, 2, 128, False, 0, 0, n_ctx=2048)
     write_hf_checkpoint(d, config, hf)
@@ -310,6 +315,9 @@ def test_draft_auto_finds_a_same_vocabulary_model_else_lookup(standin, runner):
 
     ok(runner, "pull", "hf:tiny/tiny-GGUF:F32")
     assert auto_draft("hf:tiny/tiny-GGUF:F32") == "lookup"                       # nothing else shares its vocab
+    out = ok(runner, "generate", "The", "--model", "hf:tiny/tiny-GGUF:F32", "--no-pull", "-n", "6", "-t", "0",
+             "--threads", "1", "--json")
+    assert json.loads(out.stdout)["n_tokens"] == 6                               # with the lookup drafter
     ok(runner, "pull", "hf:tiny/tiny-GGUF:Q8_0")                                # smaller, same vocabulary
     assert auto_draft("hf:tiny/tiny-GGUF:F32") == "hf:tiny/tiny-GGUF:Q8_0"
     assert auto_draft("hf:tiny/tiny-GGUF:Q8_0") == "lookup"                     # a drafter is smaller
@@ -333,11 +341,23 @@ def test_errors(standin, runner, monkeypatch):
             says=("no GGUF in tiny/tiny-GGUF has the quant tag Q5_K_M", "tiny-Q8_0.gguf", "quant tags: "))
     refused(runner, "pull", "hf:tiny/tiny-GGUF/nope.gguf", says=("has no file nope.gguf", "tiny-F32.gguf"))
     refused(runner, "pull", "hf:tiny/alien-GGUF", says=("llama.cpp cannot load", "architecture 'zzzzz'"))
+    refused(runner, "pull", "hf:tiny/awq-gpt2", says=("unsupported architecture ['GPT2LMHeadModel']",))
+    assert not [p for p, _ in standin.downloads() if p.endswith(".safetensors")]   # refused before the weights
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     assert Path(ok(runner, "pull", "hf:tiny/gated-GGUF").stdout.strip()).name == "gated-Q4_K_M.gguf"
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
     refused(runner, "pull", "hf:tiny/gated-GGUF:Q8_0",
             says=("cannot reach the hub", "cached: hf:tiny/gated-GGUF (revision"))
+
+
+def test_serve_precheck_lets_a_hub_name_not_pulled_yet_through(standin):
+    from edgerun.serve.run import precheck
+    from edgerun.serve.settings import ServerConfig
+
+    precheck(ServerConfig(model="hf:tiny/tiny-GGUF", draft="none"))              # pulled after the socket binds
+    assert standin.downloads() == []
+    with pytest.raises(InvalidArgument, match="not a hub name"):
+        precheck(ServerConfig(model="hf:no-org-here", draft="none"))
 
 
 def test_not_enough_disk_space(standin, runner, monkeypatch):
@@ -346,5 +366,5 @@ def test_not_enough_disk_space(standin, runner, monkeypatch):
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(sh, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1000))
-    refused(runner, "pull", "hf:tiny/tiny-GGUF", says=("not enough free disk space", "1 files"))
+    refused(runner, "pull", "hf:tiny/tiny-GGUF", says=("not enough free disk space", "(1 file)"))
     assert standin.downloads() == []

@@ -526,7 +526,7 @@ def _check_space(plan: Plan) -> None:
     free = shutil.disk_usage(probe).free
     if need > free:
         raise HubError(f"{plan.name}: not enough free disk space in {root}: the download needs {need / 1e6:.0f} MB "
-                       f"({len(todo)} files{', and its conversion' if plan.kind == 'int4' else ''}), "
+                       f"({len(todo)} file{'' if len(todo) == 1 else 's'}{', and its conversion' if plan.kind == 'int4' else ''}), "
                        f"{free / 1e6:.0f} MB free")
 
 
