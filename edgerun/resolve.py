@@ -152,8 +152,9 @@ def hub_model(spec: str, *, pull: bool = True, progress: Progress | None = None,
     pick = hub.cached(name)
     if pick is None:
         if not pull:
-            raise ModelNotFound(f"{name} is not in the cache; run `edgerun pull {name}` first, on a machine that "
-                                f"reaches the hub ({hub.endpoint()}); {hub.describe_cached(name.repo_id)}")
+            how = "run it without --no-pull" if accept_float else f"run `edgerun pull {name}` first"
+            raise ModelNotFound(f"{name} is not in the cache; {how}, on a machine that reaches the hub "
+                                f"({hub.endpoint()}); {hub.describe_cached(name.repo_id)}")
         pick = pull_hub(name, progress, accept_float=accept_float)
     if pick.kind == "float":
         if not accept_float:
@@ -263,7 +264,8 @@ def hub_rows() -> list[dict]:
     for p in hub.list_pulled():
         pairs = draft_pairs(p) if p.kind != "float" else []
         rows.append({"name": p.name, "kind": f"hub {p.kind}", "arch": p.extra.get("arch", ""),
-                     "quant": p.primary if p.kind == "gguf" else p.kind, "size": p.size, "cached": True,
+                     "quant": f"{p.primary if p.kind == 'gguf' else p.kind} @ {p.revision[:12]}", "size": p.size,
+                     "cached": True,
                      "draft": (pairs[0] if pairs else "lookup") if p.kind != "float" else None,
                      "draft_pairs": pairs, "path": str(p.model_path), "description": f"{p.repo_id} at {p.revision}",
                      "license": "", "revision": p.revision, "requested_revision": p.requested_revision,

@@ -192,6 +192,7 @@ def test_pull_second_pull_no_pull_list_verify(standin, runner, monkeypatch):
     assert row["revision"] == standin.repos["tiny/tiny-GGUF"].commit and row["path"] == str(path)
     table = ok(runner, "list").stdout
     assert "hf:tiny/tiny-GGUF" in table and "hub gguf" in table
+    assert f"tiny-Q8_0.gguf @ {standin.repos['tiny/tiny-GGUF'].commit[:12]}" in table
     ok(runner, "pull", "--verify")                                               # re-hash: fine, no network
 
     data = bytearray(path.read_bytes())                                          # a bit rots on disk
