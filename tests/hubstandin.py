@@ -7,12 +7,15 @@ Routes (shapes as huggingface_hub parses them, read from its source):
        blobs=true "size", "blobId" and, for LFS files, "lfs": {"size", "sha256", "pointerSize"}}]}
   HEAD /ORG/REPO/resolve/REV/PATH   ETag (the git blob id, or the sha256 for an LFS file), X-Repo-Commit,
        X-Linked-Etag / X-Linked-Size for LFS files, Content-Length, Accept-Ranges
-  GET  the same                     the file; `Range: bytes=N-` answered 206 with Content-Range
+  GET  the same                     a small file itself; an LFS file (weights) answers 302 to
+       /cdn/ORG/REPO/PATH as the hub redirects to its CDN; `Range: bytes=N-` answered 206 with Content-Range
 Errors carry the hub's X-Error-Code (RepoNotFound, GatedRepo, RevisionNotFound, EntryNotFound) and
-X-Error-Message headers. A gated repo admits `Authorization: Bearer <token>` with its token.
+X-Error-Message headers. A gated repo lists its files to anyone and serves them to `Authorization: Bearer
+<token>` with its token.
 
 Test knobs: `corrupt` (repo/path -> flip one byte of the body), `stall` (repo/path -> bytes sent before the
-body blocks until `release` is set, to kill a client mid-download), `log` (every request: method, path, Range).
+body blocks until `release` is set, to kill a client mid-download), `log` (every request: method, path, Range),
+`served` (every file body sent: repo/path and the Range asked).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class StandIn:
     stalled: threading.Event = field(default_factory=threading.Event)
     release: threading.Event = field(default_factory=threading.Event)
     log: list[tuple[str, str, str | None]] = field(default_factory=list)
+    served: list[tuple[str, str | None]] = field(default_factory=list)
     url: str = ""
 
     def add(self, repo_id: str, folder: Path, gated_token: str | None = None) -> Repo:
@@ -63,8 +67,8 @@ class StandIn:
         return self.repos[repo_id]
 
     def downloads(self) -> list[tuple[str, str | None]]:
-        """(path, Range header) of every file body served (GET on resolve)."""
-        return [(p, r) for m, p, r in self.log if m == "GET" and "/resolve/" in p]
+        """(repo/path, Range header) of every file body served."""
+        return list(self.served)
 
 
 def _meta(data: bytes, name: str) -> dict:
@@ -93,12 +97,13 @@ def make_handler(hub: StandIn):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _repo(self, repo_id: str, rev: str | None) -> Repo | None:
+        def _repo(self, repo_id: str, rev: str | None, files: bool = False) -> Repo | None:
             repo = hub.repos.get(repo_id)
             if repo is None:
                 self._error(401, "RepoNotFound", "Repository not found")
                 return None
-            if repo.gated_token and self.headers.get("Authorization") != f"Bearer {repo.gated_token}":
+            # as on the hub, a gated repo's metadata is public; its files need a token that was let in
+            if files and repo.gated_token and self.headers.get("Authorization") != f"Bearer {repo.gated_token}":
                 self._error(401, "GatedRepo", f"Access to model {repo_id} is restricted. You must have access to "
                                               "it and be authenticated to access it. Please log in.")
                 return None
@@ -135,9 +140,13 @@ def make_handler(hub: StandIn):
                 if not head:
                     self.wfile.write(body)
                 return
-            if len(parts) >= 5 and parts[2] == "resolve":
-                repo_id, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-                repo = self._repo(repo_id, rev)
+            cdn = parts[0] == "cdn" and len(parts) >= 4
+            if cdn or (len(parts) >= 5 and parts[2] == "resolve"):
+                if cdn:
+                    repo_id, rev, name = "/".join(parts[1:3]), None, "/".join(parts[3:])
+                else:
+                    repo_id, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+                repo = self._repo(repo_id, rev, files=True)
                 if repo is None:
                     return
                 f = repo.files().get(name)
@@ -155,8 +164,11 @@ def make_handler(hub: StandIn):
                 if rng and rng.startswith("bytes=") and rng.endswith("-"):
                     start = int(rng[6:-1])
                 body = data[start:]
-                self.send_response(206 if start else 200)
-                self.send_header("Content-Length", str(len(body)))
+                redirect = "lfs" in meta and not cdn
+                self.send_response(302 if redirect else 206 if start else 200)
+                if redirect:
+                    self.send_header("Location", f"{hub.url}/cdn/{repo_id}/{name}")
+                self.send_header("Content-Length", "0" if redirect else str(len(body)))
                 self.send_header("Accept-Ranges", "bytes")
                 self.send_header("X-Repo-Commit", repo.commit)
                 if "lfs" in meta:
@@ -165,11 +177,12 @@ def make_handler(hub: StandIn):
                     self.send_header("X-Linked-Size", str(len(data)))
                 else:
                     self.send_header("ETag", f'"{meta["blobId"]}"')
-                if start:
+                if start and not redirect:
                     self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
                 self.end_headers()
-                if head:
+                if head or redirect:
                     return
+                hub.served.append((key, rng))
                 cut = hub.stall.get(key)
                 if cut is not None and not hub.release.is_set():
                     self.wfile.write(body[:cut])

@@ -169,8 +169,9 @@ def test_pull_second_pull_no_pull_list_verify(standin, runner, monkeypatch):
     assert path.name == "tiny-Q8_0.gguf" and path.is_file()                      # no Q4_K_M: Q8_0 by the rule
     assert path.read_bytes() == (standin.repos["tiny/tiny-GGUF"].folder / "tiny-Q8_0.gguf").read_bytes()
     assert path.parent.name == standin.repos["tiny/tiny-GGUF"].commit
-    assert [p for p, _ in standin.downloads()] == ["/tiny/tiny-GGUF/resolve/" +
-                                                   standin.repos["tiny/tiny-GGUF"].commit + "/tiny-Q8_0.gguf"]
+    assert standin.downloads() == [("tiny/tiny-GGUF/tiny-Q8_0.gguf", None)]
+    commit = standin.repos["tiny/tiny-GGUF"].commit
+    assert ("GET", f"/tiny/tiny-GGUF/resolve/{commit}/tiny-Q8_0.gguf", None) in standin.log     # then the CDN
     assert "download tiny-Q8_0.gguf" in r.stderr                                 # progress
     assert not (Path(os.environ["HF_HOME"]) / "hub").exists()                    # no second copy in HF's cache
     record = json.loads(next((home() / "hub/tiny/tiny-GGUF/picks").glob("*.json")).read_text())

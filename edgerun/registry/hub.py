@@ -485,9 +485,11 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
                     if "tqdm_class" in inspect.signature(http_get).parameters else {}     # older clients: their own
                 http_get(url, out, resume_size=have, headers=headers, expected_size=f.size,
                          displayed_filename=f.path, **bar)
-            except _network_errors():
-                raise
             except OSError as e:        # a size mismatch or a write error: the part is kept for the next try
+                from huggingface_hub.errors import HfHubHTTPError
+
+                if isinstance(e, (HfHubHTTPError, *_network_errors())):
+                    raise                # the hub's answer or the network: said by _hub_errors
                 raise HubError(f"{name}: downloading {f.path} failed ({e}); run the pull again to resume it") \
                     from None
     sha, blob = hash_file(part, progress, f"verify {f.path}")
@@ -525,9 +527,9 @@ def _check_space(plan: Plan) -> None:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if need > free:
+        what = f"{len(todo)} file{'' if len(todo) == 1 else 's'}" + (", and its conversion" if plan.kind == "int4" else "")
         raise HubError(f"{plan.name}: not enough free disk space in {root}: the download needs {need / 1e6:.0f} MB "
-                       f"({len(todo)} file{'' if len(todo) == 1 else 's'}{', and its conversion' if plan.kind == 'int4' else ''}), "
-                       f"{free / 1e6:.0f} MB free")
+                       f"({what}), {free / 1e6:.0f} MB free")
 
 
 def download(plan: Plan, *, progress: Progress | None = None, force: bool = False) -> Pick:
