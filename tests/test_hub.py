@@ -370,3 +370,31 @@ def test_not_enough_disk_space(standin, runner, monkeypatch):
     monkeypatch.setattr(sh, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1000))
     refused(runner, "pull", "hf:tiny/tiny-GGUF", says=("not enough free disk space", "(1 file)"))
     assert standin.downloads() == []
+
+
+@pytest.mark.real_model
+def test_draft_auto_pairs_a_hub_model_with_the_registry_model_of_its_vocabulary(tmp_path, monkeypatch, runner):
+    """A hub GGUF with SmolLM2's vocabulary (the registry's file with bytes appended, so larger) is drafted by
+    the registry's smollm2-135m-instruct, found by the fingerprint recorded at pull time."""
+    from edgerun import registry
+    from edgerun.resolve import auto_draft
+
+    src = registry.cached_path("smollm2-135m-instruct")
+    if not registry.is_cached("smollm2-135m-instruct"):
+        pytest.skip("smollm2-135m-instruct is not cached (edgerun pull smollm2-135m-instruct)")
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    big = folder / "SmolLM2-big-Q4_1.gguf"
+    shutil.copyfile(src, big)
+    with open(big, "ab") as f:                                                   # llama.cpp ignores trailing bytes
+        f.write(bytes(1 << 20))
+    hub_ = StandIn()
+    hub_.add("test/SmolLM2-big-GGUF", folder)
+    with Server(hub_) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        ok(runner, "pull", "hf:test/SmolLM2-big-GGUF")
+    assert auto_draft("hf:test/SmolLM2-big-GGUF") == "smollm2-135m-instruct"
+    rows = {x["name"]: x for x in json.loads(ok(runner, "list", "--json").stdout)}
+    assert rows["hf:test/SmolLM2-big-GGUF"]["draft_pairs"] == ["smollm2-135m-instruct"]
