@@ -351,8 +351,10 @@ def _hub_errors(name: HubName) -> Iterator[None]:
         auth = "" if _token() else f" (if it is private, {LOGIN_HINT})"
         raise ModelNotFound(f"{name}: no repository {name.repo_id} on {endpoint()}{auth}") from None
     except _network_errors() as e:
-        raise HubError(f"{name}: cannot reach the hub at {endpoint()} (no network, or a proxy or firewall in the "
-                       f"way: {type(e).__name__}); {describe_cached(name.repo_id)}") from None
+        why = "HF_HUB_OFFLINE is set" if isinstance(e, e_.OfflineModeIsEnabled) else \
+            f"no network, or a proxy or firewall in the way: {type(e).__name__}"
+        raise HubError(f"{name}: cannot reach the hub at {endpoint()} ({why}); {describe_cached(name.repo_id)}") \
+            from None
     except e_.HfHubHTTPError as e:
         msg = (getattr(e, "server_message", "") or str(e)).strip().splitlines()[0]
         raise HubError(f"{name}: the hub at {endpoint()} answered an error: {msg}") from None
@@ -417,12 +419,15 @@ def plan(name: HubName, *, accept_float: bool = False, progress: Progress | None
     return Plan(name, commit, "float", picked, "config.json", config)
 
 
-def _offer(paths: Sequence[str]) -> str:
+def _offer(paths: Sequence[str], most: int = 40) -> str:
+    def some(xs: Sequence[str]) -> str:
+        return ", ".join(xs[:most]) + (f" and {len(xs) - most} more" if len(xs) > most else "") or "none"
+
     ggufs = [p for p in paths if p.lower().endswith(".gguf")]
     if ggufs:
         tags = quant_tags(paths)
-        return f"its GGUF files: {', '.join(ggufs)}" + (f" (quant tags: {', '.join(tags)})" if tags else "")
-    return f"its files: {', '.join(paths) or 'none'}"
+        return f"its GGUF files: {some(ggufs)}" + (f" (quant tags: {', '.join(tags)})" if tags else "")
+    return f"its files: {some(list(paths))}"
 
 
 def _bar(progress: Progress | None, path: str):
