@@ -484,7 +484,7 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
             log.info("%s: resuming %s at byte %d of %s", name, f.path, have, f.size)
         url = hh.hf_hub_url(name.repo_id, f.path, revision=commit, endpoint=endpoint())
         headers = build_hf_headers(token=_token(), library_name="edgerun", library_version=__version__)
-        with _hub_errors(name), open(part, "ab") as out:
+        with _hub_errors(name), _drop_if_empty(part), open(part, "ab") as out:
             try:
                 bar = {"tqdm_class": _bar(progress, f.path)} \
                     if "tqdm_class" in inspect.signature(http_get).parameters else {}     # older clients: their own
@@ -517,6 +517,17 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
     for stale in part.parent.glob(f"{Path(f.path).name}.*.part"):      # parts of other revisions of this file
         stale.unlink(missing_ok=True)
     return final_dir
+
+
+@contextlib.contextmanager
+def _drop_if_empty(part: Path) -> Iterator[None]:
+    """A download that failed before its first byte leaves no empty part behind."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if part.stat().st_size == 0:
+                part.unlink()
 
 
 def _check_space(plan: Plan) -> None:
