@@ -30,6 +30,10 @@ class ChecksumError(RegistryError):
     """An assembled model does not have the size or sha256 its manifest pins."""
 
 
+class HubError(RegistryError):
+    """A Hugging Face hub name cannot be fetched: gated, unreachable, no usable file, or a bad download."""
+
+
 class ContextOverflow(EdgerunError):
     """A prompt (or prompt + generation) does not fit in the model's context window."""
 
@@ -56,7 +60,3 @@ class QuantizationError(EdgerunError):
 
 class ClusterError(EdgerunError):
     """An RPC worker is unreachable, busy, speaks another protocol, or was lost; or the build has no RPC."""
-
-
-class HubError(RegistryError):
-    """A Hugging Face hub name cannot be fetched: gated, unreachable, no usable file, or a bad download."""
