@@ -577,7 +577,6 @@ _model_option = click.option("--model", "-m", default=None,
 def profile_show(name, as_json, model):
     """Show a profile (NAME, a YAML path, or 'auto' for the detected one)."""
     from .device.detect import resolve
-
     from .device.gpu import status_for, status_lines
 
     prof, why = resolve(name)
