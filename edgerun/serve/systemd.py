@@ -148,9 +148,10 @@ def gpu_section(profile) -> str:
     if profile is None or profile.priors.compute != "cuda":
         return ""
     lines = [f"# GPU ({profile.name}): DynamicUser's user joins the groups that own the GPU device nodes, and",
-             "# the device cgroup allows only them (plus /dev/null, zero, full, random, urandom). Without",
-             "# them CUDA finds no device and llama.cpp runs the model on the CPU (edgerun warns, and",
-             "# EDGERUN_REQUIRE_GPU=1 makes it an error). install.sh creates a missing group.",
+             "# the device cgroup allows them (ProtectClock= below implies DeviceAllow=char-rtc r, which closes",
+             "# it to every device not listed but /dev/null, zero, full, random, urandom). Without them CUDA",
+             "# finds no device and llama.cpp runs the model on the CPU (edgerun warns; EDGERUN_REQUIRE_GPU=1",
+             "# makes it an error). install.sh creates a missing group.",
              f"SupplementaryGroups={' '.join(GPU_GROUPS)}"]
     lines += [f"DeviceAllow={node} rw" for node in JETSON_DEVICE_NODES]
     return "\n".join(lines) + "\n"
