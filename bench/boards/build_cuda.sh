@@ -203,8 +203,9 @@ if (work / "llama.start").exists():
     objs = sorted((work / "build").rglob("ggml-cuda.dir/**/*.cu.o")) if (work / "build").exists() else []
     if objs:
         big = max(objs, key=lambda o: o.stat().st_size)
+        every = sorted({a for o in objs for a in (elfs(o) or [])})
         llama["cuda_objects"] = {"compiled": len(objs), "largest": big.name, "largest_bytes": big.stat().st_size,
-                                 "largest_elf": elfs(big)}
+                                 "largest_elf": elfs(big), "elf_of_all": every}
     wheels = sorted((work / "wheel").glob("*.whl"))
     if wheels:
         llama["wheel"] = {"name": wheels[-1].name, "bytes": wheels[-1].stat().st_size}
@@ -222,8 +223,8 @@ if "llama_cpp_python" in report:
         l["ninja_steps_total"], l["progress_pct"]))
     if "cuda_objects" in l:
         o = l["cuda_objects"]
-        print("| CUDA objects compiled | %d (largest %s, %.1f MB, ELF %s) |" % (
-            o["compiled"], o["largest"], o["largest_bytes"] / 1e6, o["largest_elf"]))
+        print("| CUDA objects compiled | %d, ELF of all: %s (largest %s, %.1f MB) |" % (
+            o["compiled"], o["elf_of_all"], o["largest"], o["largest_bytes"] / 1e6))
     for name, e in l["libraries"].items():
         print("| %s | %.1f MB%s |" % (name, e["bytes"] / 1e6, ", ELF %s" % e["elf"] if "elf" in e else ""))
 print("wrote", os.environ["OUT"])
