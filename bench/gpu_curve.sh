@@ -163,7 +163,7 @@ if want measure; then
     if [ -n "$bench_bin" ] && [ -x "$bench_bin" ]; then
         # llama-bench's view: pp n = one batched eval of n tokens, tg = one-token decode
         for f in "$t" "$d"; do
-            "$bench_bin" -m "$f" -ngl 99 -fa 1 -p 1,2,3,4,5,6,7,8,9 -n 128 -r 5 -o json \
+            "$bench_bin" -m "$f" -ngl 99 -fa on -p 1,2,3,4,5,6,7,8,9 -n 128 -r 5 -o json \
                 > "${json%.json}-llama-bench-$(basename "$f" .gguf).json" || say "llama-bench failed on $f"
         done
     else
