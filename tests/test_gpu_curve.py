@@ -4,6 +4,7 @@ CPU curve measured here and speculates on a flat (GPU-like) one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,10 +13,19 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
-import gpu_curve  # noqa: E402
-import predict_gpu  # noqa: E402
+
+def _bench_module(name: str):
+    """bench/NAME.py loaded from its file (bench/ is not put on sys.path: its onnx.py would shadow onnx)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gpu_curve = _bench_module("gpu_curve")
+predict_gpu = _bench_module("predict_gpu")
 
 SHAPES = ROOT / "bench" / "gpu_shapes"
 
