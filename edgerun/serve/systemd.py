@@ -128,8 +128,9 @@ WantedBy=multi-user.target
 
 # The device nodes CUDA opens on a Jetson (L4T r35 = JetPack 5 and r36 = JetPack 6; the nvgpu driver's
 # /dev/nvhost-*-gpu names and their /dev/nvgpu/igpu0/ twins, nvmap, host1x's fence node, the DRM render
-# node), as NVIDIA's container runtime passes them to an L4T container. udev gives them to root:video
-# 0660 (the render node to root:render). systemd skips a node that does not exist on a release.
+# node), as published container setups for L4T pass them into a CUDA container. udev gives them to
+# root:video 0660 (the render node to root:render). systemd skips, with a log line, a listed node that
+# does not exist on a release. Not checked on a board.
 JETSON_DEVICE_NODES = (
     "/dev/nvmap", "/dev/nvhost-ctrl", "/dev/nvhost-ctrl-gpu", "/dev/nvhost-gpu", "/dev/nvhost-as-gpu",
     "/dev/nvhost-tsg-gpu", "/dev/nvhost-dbg-gpu", "/dev/nvhost-prof-gpu", "/dev/nvhost-prof-ctx-gpu",
