@@ -108,8 +108,8 @@ def check(profile: DeviceProfile, target=None, *, n_gpu_layers: int | None = Non
     kind = _BACKEND.get(want or profile.priors.compute, "a GPU")
     who = (f"the device profile {profile.name} expects the GPU ({kind})" if want
            else "--require-gpu asks for a GPU")
-    built = {name: n for name, n in backends if name.upper() in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL",
-                                                                    "MUSA", "OPENCL", "CANN")}
+    built = {name: n for name, n in backends if name.upper() in ("CUDA", "MTL", "METAL", "VULKAN", "HIP", "ROCM",
+                                                                    "SYCL", "MUSA", "OPENCL", "CANN")}
     problem = fix = None
     if not gpus and not built:
         problem = (f"{who}, but the installed llama.cpp has no GPU backend (built in: "
