@@ -102,15 +102,16 @@ if want build && [ "$cpu" = 0 ]; then
     # cuBLAS: the toolkit's, else the nvidia-cublas wheel's (the GPU image ships it beside PyTorch)
     extra=()
     cuda_top="$(cd /tmp && : > .e.cu && nvcc --dryrun -c .e.cu 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)"
-    if ! ls "$cuda_top"/lib64/libcublas.so* "$cuda_top"/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
+    if ! compgen -G "$cuda_top/lib64/libcublas.so*" >/dev/null && ! compgen -G "$cuda_top/targets/*/lib/libcublas.so*" >/dev/null; then
         wheel_dir="$("$py" -c 'import nvidia.cu13 as m; print(list(m.__path__)[0])' 2>/dev/null \
-                    || "$py" -c 'import nvidia.cublas as m; print(list(m.__path__)[0])')"
+                    || "$py" -c 'import nvidia.cublas as m; print(list(m.__path__)[0])' 2>/dev/null)" \
+            || die "no cuBLAS in the toolkit ($cuda_top) and no nvidia-cublas wheel for $py"
         cl="$(ls "$wheel_dir"/lib/libcublas.so* | head -1)"; clt="$(ls "$wheel_dir"/lib/libcublasLt.so* | head -1)"
         extra=(-DCUDA_cublas_LIBRARY="$cl" -DCUDA_cublasLt_LIBRARY="$clt" -DCMAKE_CUDA_FLAGS="-I$wheel_dir/include")
         say "cuBLAS from the wheel at $wheel_dir"
     fi
     # the driver library ggml-cuda links: the toolkit's link stub, else the installed driver's
-    if ! ls "$cuda_top"/lib64/stubs/libcuda.so "$cuda_top"/targets/*/lib/stubs/libcuda.so >/dev/null 2>&1; then
+    if ! compgen -G "$cuda_top/lib64/stubs/libcuda.so" >/dev/null && ! compgen -G "$cuda_top/targets/*/lib/stubs/libcuda.so" >/dev/null; then
         drv="$(ldconfig -p | sed -n 's/.*libcuda\.so\.1 .*=> //p' | head -1)"
         [ -n "$drv" ] && extra+=(-DCUDA_cuda_driver_LIBRARY="$drv")
     fi
@@ -163,7 +164,7 @@ if want measure; then
     if [ -n "$bench_bin" ] && [ -x "$bench_bin" ]; then
         # llama-bench's view: pp n = one batched eval of n tokens, tg = one-token decode
         for f in "$t" "$d"; do
-            "$bench_bin" -m "$f" -ngl 99 -fa 1 -p 1,2,3,4,5,6,7,8,9 -n 128 -r 5 -o json \
+            "$bench_bin" -m "$f" -ngl 99 -fa on -p 1,2,3,4,5,6,7,8,9 -n 128 -r 5 -o json \
                 > "${json%.json}-llama-bench-$(basename "$f" .gguf).json" || say "llama-bench failed on $f"
         done
     else

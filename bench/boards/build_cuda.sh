@@ -191,14 +191,21 @@ if (work / "llama.start").exists():
         llama["steps_per_hour"] = round(done / elapsed * 3600, 1)
         llama["hours_left_at_this_rate"] = round((total - done) / done * elapsed / 3600, 1)
     libs = {}
-    for so in sorted((work / "build").rglob("lib*.so")) if (work / "build").exists() else []:
-        if so.is_symlink() or "CMakeFiles" in so.parts:
+    for so in sorted((work / "build").rglob("lib*.so*")) if (work / "build").exists() else []:
+        if so.is_symlink() or "CMakeFiles" in so.parts or not so.is_file():
             continue
         entry = {"bytes": so.stat().st_size}
         if "cuda" in so.name:
             entry["elf"] = elfs(so)
         libs[so.name] = entry
     llama["libraries"] = libs
+    # the CUDA objects compiled so far (a half-done build's evidence): how many, and one's ELF targets
+    objs = sorted((work / "build").rglob("ggml-cuda.dir/**/*.cu.o")) if (work / "build").exists() else []
+    if objs:
+        big = max(objs, key=lambda o: o.stat().st_size)
+        every = sorted({a for o in objs for a in (elfs(o) or [])})
+        llama["cuda_objects"] = {"compiled": len(objs), "largest": big.name, "largest_bytes": big.stat().st_size,
+                                 "largest_elf": elfs(big), "elf_of_all": every}
     wheels = sorted((work / "wheel").glob("*.whl"))
     if wheels:
         llama["wheel"] = {"name": wheels[-1].name, "bytes": wheels[-1].stat().st_size}
@@ -214,6 +221,10 @@ if "llama_cpp_python" in report:
     print("| llama-cpp-python build | %s after %d s: %d/%d steps (%.1f %%) |" % (
         "finished" if l["finished"] else "running/stopped", l["seconds"], l["ninja_steps_done"],
         l["ninja_steps_total"], l["progress_pct"]))
+    if "cuda_objects" in l:
+        o = l["cuda_objects"]
+        print("| CUDA objects compiled | %d, ELF of all: %s (largest %s, %.1f MB) |" % (
+            o["compiled"], o["elf_of_all"], o["largest"], o["largest_bytes"] / 1e6))
     for name, e in l["libraries"].items():
         print("| %s | %.1f MB%s |" % (name, e["bytes"] / 1e6, ", ELF %s" % e["elf"] if "elf" in e else ""))
 print("wrote", os.environ["OUT"])

@@ -108,8 +108,8 @@ def check(profile: DeviceProfile, target=None, *, n_gpu_layers: int | None = Non
     kind = _BACKEND.get(want or profile.priors.compute, "a GPU")
     who = (f"the device profile {profile.name} expects the GPU ({kind})" if want
            else "--require-gpu asks for a GPU")
-    built = {name: n for name, n in backends if name.upper() in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL",
-                                                                    "MUSA", "OPENCL", "CANN")}
+    built = {name: n for name, n in backends if name.upper() in ("CUDA", "MTL", "METAL", "VULKAN", "HIP", "ROCM",
+                                                                    "SYCL", "MUSA", "OPENCL", "CANN")}
     problem = fix = None
     if not gpus and not built:
         problem = (f"{who}, but the installed llama.cpp has no GPU backend (built in: "
@@ -122,13 +122,13 @@ def check(profile: DeviceProfile, target=None, *, n_gpu_layers: int | None = Non
         fix = ("check the driver (tegrastats / nvidia-smi), the device nodes (ls -l /dev/nvmap /dev/nvhost-* "
                "/dev/nvgpu/igpu0) and that this user is in their groups (video, render); the systemd unit from "
                "`edgerun service print --profile PROFILE` grants them")
-    elif target is not None and placement is None:
+    elif target is not None and placement is None and require:    # ONNX: onnxruntime's providers decide
         problem = f"{who}, but the target is not a llama.cpp model: its placement is not checked"
         fix = "serve a .gguf model to run it on the GPU through llama.cpp"
-    elif target is not None and gpu_layers == 0:
+    elif target is not None and placement is not None and gpu_layers == 0:
         problem = f"{who}, but none of the model's {n_layers} layers is on it"
         fix = "--gpu-layers -1 puts every layer on the GPU"
-    elif target is not None and gpu_layers < n_layers:
+    elif target is not None and placement is not None and gpu_layers < n_layers:
         problem = f"{who}, but only {gpu_layers} of the model's {n_layers} layers are on it: the rest run on the CPU"
         fix = "--gpu-layers -1 puts them all there (a smaller model or context if they do not fit)"
     return GpuStatus(**{**status.__dict__, "problem": problem, "fix": fix})

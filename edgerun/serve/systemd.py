@@ -130,8 +130,9 @@ WantedBy=multi-user.target
 
 # The device nodes CUDA opens on a Jetson (L4T r35 = JetPack 5 and r36 = JetPack 6; the nvgpu driver's
 # /dev/nvhost-*-gpu names and their /dev/nvgpu/igpu0/ twins, nvmap, host1x's fence node, the DRM render
-# node), as NVIDIA's container runtime passes them to an L4T container. udev gives them to root:video
-# 0660 (the render node to root:render). systemd skips a node that does not exist on a release.
+# node), as published container setups for L4T pass them into a CUDA container. udev gives them to
+# root:video 0660 (the render node to root:render). systemd skips, with a log line, a listed node that
+# does not exist on a release. Not checked on a board.
 JETSON_DEVICE_NODES = (
     "/dev/nvmap", "/dev/nvhost-ctrl", "/dev/nvhost-ctrl-gpu", "/dev/nvhost-gpu", "/dev/nvhost-as-gpu",
     "/dev/nvhost-tsg-gpu", "/dev/nvhost-dbg-gpu", "/dev/nvhost-prof-gpu", "/dev/nvhost-prof-ctx-gpu",
@@ -150,9 +151,10 @@ def gpu_section(profile) -> str:
     if profile is None or profile.priors.compute != "cuda":
         return ""
     lines = [f"# GPU ({profile.name}): DynamicUser's user joins the groups that own the GPU device nodes, and",
-             "# the device cgroup allows only them (plus /dev/null, zero, full, random, urandom). Without",
-             "# them CUDA finds no device and llama.cpp runs the model on the CPU (edgerun warns, and",
-             "# EDGERUN_REQUIRE_GPU=1 makes it an error). install.sh creates a missing group.",
+             "# the device cgroup allows them (ProtectClock= below implies DeviceAllow=char-rtc r, which closes",
+             "# it to every device not listed but /dev/null, zero, full, random, urandom). Without them CUDA",
+             "# finds no device and llama.cpp runs the model on the CPU (edgerun warns; EDGERUN_REQUIRE_GPU=1",
+             "# makes it an error). install.sh creates a missing group.",
              f"SupplementaryGroups={' '.join(GPU_GROUPS)}"]
     lines += [f"DeviceAllow={node} rw" for node in JETSON_DEVICE_NODES]
     return "\n".join(lines) + "\n"
