@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from typing import Callable
 
@@ -71,7 +72,9 @@ def vet(source: str, what: str, trial: Callable[[], None]) -> None:
 def _run(what: str, trial: Callable[[], None]) -> str | None:
     r, w = os.pipe()
     t0 = time.monotonic()
-    pid = os.fork()
+    with warnings.catch_warnings():                # 3.12+ warns about fork with threads: the child only
+        warnings.simplefilter("ignore", DeprecationWarning)     # runs llguidance's code, then _exit
+        pid = os.fork()
     if pid == 0:                                   # the child: never returns
         os.close(r)
         faulthandler.disable()                     # a crash here is the verdict, not a report for stderr
