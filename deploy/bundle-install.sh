@@ -12,7 +12,7 @@
 # switched to the new venv in one rename (a failed install leaves the previous version as it was);
 # (6) /etc/edgerun/edgerun.env written only if absent; the unit rendered by the new venv's
 # `edgerun service print`; (7) systemctl daemon-reload, enable, restart (only where systemd runs).
-set -euo pipefail
+set -Eeuo pipefail      # -E: the ERR trap of the venv step also fires inside run()
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 dry=0
