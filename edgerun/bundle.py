@@ -415,6 +415,8 @@ def make_bundle(spec: BundleSpec, *, progress: Progress | None = None, say: Say 
     llama = Path(spec.llama_wheel).expanduser().absolute() if spec.llama_wheel else None
     if llama is not None:
         check_llama_wheel(llama, pin, target)
+    else:                     # before anything is written: a board whose wheel cannot be made here is refused now
+        llama = llama_wheel_for(target, pin, say)
     if as_tar:
         if out.is_dir():
             raise InvalidArgument(f"-o {out} is a directory; expected a new FILE.tar (or a folder without .tar)")
@@ -450,7 +452,7 @@ def make_bundle(spec: BundleSpec, *, progress: Progress | None = None, say: Say 
 
 
 def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: str | None, root: Path,
-          pin: str, llama: Path | None, reuse: dict[str, Path], progress: Progress | None,
+          pin: str, llama: Path, reuse: dict[str, Path], progress: Progress | None,
           say: Say | None) -> dict:
     from .serve.systemd import installed_unit_text
 
@@ -464,8 +466,6 @@ def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: s
         say(f"edgerun wheel: building {__version__} from {root}")
     edgerun_wheel = build_edgerun_wheel(root, wheels, say)
     raise_if_stopped()
-    if llama is None:
-        llama = llama_wheel_for(target, pin, say)
     _place(llama, wheels / llama.name)
     raise_if_stopped()
     if say:

@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 
-pytestmark = [pytest.mark.bundle, pytest.mark.real_model]
+pytestmark = pytest.mark.bundle
 
 
 def _llama_wheel() -> Path | None:
@@ -60,6 +60,7 @@ def wheel() -> Path:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory, wheel) -> Path:
+    """A bundle of this checkout for this machine (needs the package index and SmolLM2 in the cache)."""
     out = tmp_path_factory.mktemp("bundle") / "edgerun-bundle"
     r = subprocess.run(_bundle_cmd(out, wheel), capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -246,3 +247,51 @@ def test_a_killed_bundle_leaves_nothing_complete_and_a_rerun_reuses_and_cleans(b
     assert "reusing" in r.stderr and "File was already downloaded" in r.stderr
     assert [p.name for p in again.parent.iterdir()] == ["b"]
     assert json.loads((again / "manifest.json").read_text())["files"]
+
+
+def test_dry_run_checks_and_verifies_then_prints_the_plan_and_changes_nothing(bundle, tmp_path):
+    root = tmp_path / "board"
+    r = _install(bundle, root, "--dry-run", netns=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "verified" in r.stdout and "pip install --no-index" in r.stdout and "mv -T" in r.stdout
+    assert not root.exists()
+
+
+# --- refusals made before anything is fetched or written (no network, no model) ---------------------------
+
+def test_the_target_names_every_manylinux_tag_up_to_its_glibc():
+    from edgerun.bundle import BundleSpec, target_for
+
+    t = target_for(BundleSpec(profile="rpi5-8gb", out=Path("x")))
+    assert (t.machine, t.python, t.glibc) == ("aarch64", "3.11", "2.36")
+    assert t.platforms[0] == "manylinux_2_36_aarch64" and "manylinux_2_17_aarch64" in t.platforms
+    assert t.platforms[-1] == "linux_aarch64" and not any("x86_64" in p for p in t.platforms)
+
+
+@pytest.mark.parametrize("profile, words", [
+    ("apple-m2", "Linux boards"),
+    ("jetson-orin-nano-8gb", "--llama-wheel"),
+    ("rpi5-8gb", "emulate_pi.sh"),
+])
+def test_a_board_whose_llama_wheel_cannot_be_made_here_is_refused_up_front(profile, words, tmp_path, monkeypatch):
+    import platform
+
+    from edgerun.bundle import BundleError, BundleSpec, make_bundle
+
+    if profile == "rpi5-8gb" and platform.machine() in ("aarch64", "arm64"):
+        pytest.skip("on an arm64 machine the Pi's wheel is built here")
+    monkeypatch.setenv("EDGERUN_EMU_DIR", str(tmp_path / "emu"))      # no cross-built wheel there
+    out = tmp_path / "b"
+    with pytest.raises(BundleError, match=words):
+        make_bundle(BundleSpec(profile=profile, out=out))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_llama_wheel_for_another_architecture_is_refused(tmp_path):
+    from edgerun.bundle import BundleError, BundleSpec, llama_pin, make_bundle
+
+    w = tmp_path / f"llama_cpp_python-{llama_pin(ROOT)}-py3-none-linux_aarch64.whl"
+    w.write_bytes(b"PK")
+    with pytest.raises(BundleError, match="not this bundle's x86_64"):
+        make_bundle(BundleSpec(profile="generic-x86_64-cpu", out=tmp_path / "b", llama_wheel=w))
+    assert not (tmp_path / "b").exists()
