@@ -295,3 +295,15 @@ def test_a_llama_wheel_for_another_architecture_is_refused(tmp_path):
     with pytest.raises(BundleError, match="not this bundle's x86_64"):
         make_bundle(BundleSpec(profile="generic-x86_64-cpu", out=tmp_path / "b", llama_wheel=w))
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--profile", "apple-m2"], "Linux boards"),
+    (["--profile", "generic-x86_64-cpu", "--python", "2.7"], "--python '2.7'"),
+    (["--profile", "no-such-board"], "unknown device profile"),
+])
+def test_the_cli_prints_one_error_line_and_exits_2(args, words, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "edgerun", "bundle", *args, "-o", str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
