@@ -14,6 +14,7 @@
 # `edgerun service print`; (7) systemctl daemon-reload, enable, restart (only where systemd runs).
 set -Eeuo pipefail      # -E: the ERR trap of the venv step also fires inside run()
 
+umask 022                            # the venv and models must be readable by the service's DynamicUser
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 dry=0
 prefix=/opt/edgerun
@@ -112,9 +113,9 @@ read -r version profile model pyver machine extras <<<"$checks"
 say "bundle: edgerun $version for $profile (CPython $pyver, $machine); this board matches"
 
 # --- 2. every file of the bundle, before anything is touched --------------------------------------------
-"$python" - "$here" <<'PY' || die "the bundle is damaged (nothing was installed): copy it again"
-import hashlib, json, os, sys
-root = sys.argv[1]
+"$python" - "$here" "$prefix" <<'PY' || die "the bundle is damaged or does not fit (nothing was installed)"
+import hashlib, json, os, shutil, sys
+root, prefix = sys.argv[1], sys.argv[2]
 m = json.load(open(os.path.join(root, "manifest.json")))
 listed = {f["path"]: f for f in m["files"]}
 bad = []
@@ -141,6 +142,18 @@ for sub in ("wheels", "models"):            # pip and the model copy take whatev
 if bad:
     sys.exit("\n".join(f"install.sh: {b}" for b in bad))
 print(f"==> verified {len(listed)} files ({total / 1e6:.1f} MB) against manifest.json")
+# room under PREFIX: the models, and a venv (unpacked wheels: about 4x their size, measured 3.9x)
+def installed(rel, size):                  # a model an earlier install already placed (an upgrade)
+    q = os.path.join(prefix, rel)
+    return os.path.isfile(q) and os.path.getsize(q) == size
+need = sum(f["size"] for r, f in listed.items() if r.startswith("models/") and not installed(r, f["size"])) \
+    + 4 * sum(f["size"] for r, f in listed.items() if r.startswith("wheels/"))
+p = prefix
+while not os.path.exists(p):
+    p = os.path.dirname(p)
+free = shutil.disk_usage(p).free
+if free < need:
+    sys.exit(f"install.sh: {prefix} needs about {need / 1e6:.0f} MB free, {p} has {free / 1e6:.0f} MB")
 PY
 
 stamp="$(date -u +%Y%m%d-%H%M%S)-$$"
