@@ -3,7 +3,10 @@
 One well-behaved client sends the same greedy chat request over and over: first alone (the quiet
 phase), then while the attack runs: 200 idle sockets, 50 slow-header and 50 slow-body clients (a byte
 a second), 30 concurrent streams that disconnect after two chunks, 20 oversized bodies and 20
-pathological prompts (a flood of `<|im_start|>` text). Reported: the good client's p50/p95 latency in
+pathological prompts (a flood of `<|im_start|>` text), and one client per grammar attack sending, back to
+back, each time a new one: a 3000-long $ref chain, 3000-deep items, a regex repeated a million times,
+5000 required properties, a $ref fan-out of 2^24 paths (issue 50), from another process run as
+another Unix user (nobody) when the bench runs as root. Reported: the good client's p50/p95 latency in
 both phases (a 503 queue_full is retried after 1 s and counted in the latency) and their ratio
 (target <= 2), every status the attackers and the client got (no 500),
 /health polled twice a second throughout (every answer 200), the server's RSS before, at the peak and
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -100,6 +104,25 @@ class Attack:
         except httpx.HTTPError as e:
             self.note(f"oversized error {e.__class__.__name__}")
 
+    def grammar(self, kind: str) -> None:
+        """Hostile grammars until the attack ends, each one new (a fresh property name), so every one is
+        compiled in the sandbox again instead of answered from its remembered verdict."""
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            schema = _hostile_schema(kind, f"p{threading.get_ident()}_{n}")
+            body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+            raw = json.dumps(body) if not isinstance(schema, str) else \
+                json.dumps({**body, "response_format": None}).replace('"response_format": null',
+                                                                      '"response_format": ' + schema)
+            try:
+                r = httpx.post(f"http://{self.host}:{self.port}/v1/chat/completions", content=raw,
+                               headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
+                self.note(f"grammar-{kind} {r.status_code}")
+            except httpx.HTTPError as e:
+                self.note(f"grammar-{kind} error {e.__class__.__name__}")
+
     def pathological(self) -> None:
         body = {"model": self.model, "messages": [{"role": "user", "content": "<|im_start|>" * 80000}], "max_tokens": 1}
         try:
@@ -107,6 +130,70 @@ class Attack:
             self.note(f"pathological {r.status_code}")
         except httpx.HTTPError as e:
             self.note(f"pathological error {e.__class__.__name__}")
+
+
+GRAMMAR_ATTACKS = ("ref_chain", "deep_items", "regex_repeat", "wide_object", "ref_fanout")
+
+
+def _hostile_schema(kind: str, name: str):
+    """The grammar attacks of issue 50 (D1, D2 and what the fuzzer found), made unique by `name`."""
+    if kind == "ref_chain":          # 3000 $defs in a chain: segfaulted llguidance before the limits
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}
+        defs["d3000"] = {"type": "object", "properties": {name: {"type": "integer"}}}
+        return {"$defs": defs, "$ref": "#/$defs/d0"}
+    if kind == "deep_items":         # 3000 levels of items, as JSON text (too deep for json.dumps)
+        inner = '{"type": "object", "properties": {"%s": {"type": "integer"}}}' % name
+        return '{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + \
+            '{"items": ' * 3000 + inner + "}" * 3000 + "}}"
+    if kind == "regex_repeat":       # a million copies of one character
+        return {"type": "object", "properties": {name: {"type": "string", "pattern": "^(a{1000}){1000}$"}}}
+    if kind == "wide_object":        # 5000 required properties: seconds of lexer construction
+        return {"type": "object", "properties": {f"{name}_{i}": {"type": "integer"} for i in range(5000)},
+                "required": [f"{name}_{i}" for i in range(5000)]}
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"},
+                                                       "b": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(24)}
+    defs["d24"] = {"type": "object", "properties": {name: {"type": "integer"}}}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}      # ref_fanout: 2^24 paths through 25 definitions
+
+
+def _fork_grammar_attackers(host: str, port: int, model: str) -> tuple[int, int]:
+    """The grammar attackers in a child process, as another Unix user when run as root (a hostile local
+    program: the server's per-client fairness keys loopback clients on the socket's owner). The child
+    attacks until its stdin pipe closes, then writes its outcome counts back as JSON."""
+    import encodings.idna  # noqa: F401 - needed after the child gives up root's files
+
+    stop_r, stop_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(stop_w)
+        os.close(out_r)
+        if os.geteuid() == 0:
+            os.setgid(65534)
+            os.setuid(65534)
+        atk = Attack(host, port, model)
+        ts = [threading.Thread(target=atk.grammar, args=(k,), daemon=True) for k in GRAMMAR_ATTACKS]
+        for t in ts:
+            t.start()
+        os.read(stop_r, 1)
+        atk.stop.set()
+        for t in ts:
+            t.join(60)
+        os.write(out_w, json.dumps(dict(atk.statuses)).encode())
+        os._exit(0)
+    os.close(stop_r)
+    os.close(out_w)
+    return pid, (stop_w, out_r)
+
+
+def _end_grammar_attackers(pid: int, pipes: tuple[int, int]) -> dict:
+    stop_w, out_r = pipes
+    os.close(stop_w)
+    data = b""
+    while chunk := os.read(out_r, 65536):
+        data += chunk
+    os.waitpid(pid, 0)
+    return json.loads(data or b"{}")
 
 
 def main() -> None:
@@ -123,6 +210,7 @@ def main() -> None:
     host, port = srv.url.rsplit("//", 1)[1].rsplit(":", 1)
     port = int(port)
     proc = psutil.Process(srv.proc.pid)
+    pid_before = srv.proc.pid
     good = {"model": a.model, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16,
             "temperature": 0}
     client = httpx.Client(base_url=srv.url, headers=AUTH, timeout=120)
@@ -170,11 +258,13 @@ def main() -> None:
     threads += [threading.Thread(target=atk.pathological, daemon=True) for _ in range(20)]
     atk.idle(200)
     rss_peak = proc.memory_info().rss
+    grammar_pid, grammar_pipe = _fork_grammar_attackers(host, port, a.model)
     for t in threads:
         t.start()
     hostile = good_phase(a.requests)
     rss_peak = max(rss_peak, proc.memory_info().rss)
     atk.stop.set()
+    atk.statuses.update(_end_grammar_attackers(grammar_pid, grammar_pipe))
     for s in atk.socks:
         s.close()
     for t in threads[1:]:
@@ -195,7 +285,7 @@ def main() -> None:
         "rss_mb": {"before": rss_before / 2**20, "peak": rss_peak / 2**20, "after": rss_after / 2**20},
         "rss_after_over_before": rss_after / rss_before,
         "greedy_texts": sorted(texts), "greedy_unchanged": len(texts) == 1, "after_s": after,
-        "server_exit": code, "no_500": not any(str(k).endswith("500") or k == 500 for k in
+        "server_exit": code, "server_pid_unchanged": srv.proc.pid == pid_before, "no_500": not any(str(k).endswith("500") or k == 500 for k in
                                                [*client_status, *[s.split()[-1] for s in atk.statuses]]),
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

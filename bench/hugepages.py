@@ -56,7 +56,7 @@ def main() -> None:
         backends[huge] = LlamaCppBackend(path, BackendArgs(n_ctx=a.ctx, n_threads=a.threads, huge_pages=huge))
         load_s[huge] = time.perf_counter() - t0
         print(f"loaded huge_pages={huge} in {load_s[huge]:.1f} s: collapsed "
-              f"{backends[huge].huge_bytes / 2**20:.0f} MiB, AnonHugePages +{anon_huge_mib() - before:.0f} MiB")
+              f"{(backends[huge].huge.settle() if backends[huge].huge else 0) / 2**20:.0f} MiB, AnonHugePages +{anon_huge_mib() - before:.0f} MiB")
         huge_mib[huge] = backends[huge].huge_bytes / 2**20
     prompt = backends[False].tokenizer.tokenize(PROMPT, add_bos=False)
     for b in backends.values():

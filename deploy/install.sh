@@ -267,6 +267,41 @@ cmake_args="${cmake_args:+$cmake_args }-DGGML_RPC=on"
 say "board: $board ($reason)"
 say "llama-cpp-python $llama_pin with CMAKE_ARGS='$cmake_args'"
 
+# --- 2j. Jetson: the CUDA build --------------------------------------------------------------------
+# What the profile's CMAKE_ARGS (-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=87) need on the board, beyond
+# what was compiled off the board (bench/boards/build_cuda.sh: x86-64 host, CUDA 13.0, sm_87; see
+# docs/devices.md, "Jetson Orin"):
+# - JetPack's own CUDA toolkit: JetPack 6 (L4T r36) ships CUDA 12.x (12.2 .. 12.6), JetPack 5 (r35) CUDA
+#   11.4; nvcc at /usr/local/cuda/bin/nvcc (the profile's CUDACXX). `sudo apt install nvidia-jetpack` (or
+#   cuda-toolkit-12-6 alone) provides it with cuBLAS. Build with the board's toolkit: the libraries must
+#   run on JetPack's driver. The off-board check used CUDA 13.0 (its nvcc targets sm_87 too); whether
+#   CUDA 13 code runs on a JetPack 6 driver was NOT CHECKED.
+# - the build runs ON the board (aarch64, JetPack's libcuda/libcublas) or in an aarch64 sysroot of the
+#   same JetPack (as emulate_pi.sh cross-compiles the Pi's CPU build): NOT CHECKED HERE, no JetPack
+#   sysroot was at hand. --llama-wheel takes a wheel built either way.
+# - it takes long on the board (~1 h on an Orin Nano's 6 cores is a guess, not a measurement; the x86
+#   figures are in docs/devices.md): the ggml-cuda kernels are compiled for sm_87 only.
+# After the install the service checks where the layers land (EDGERUN_REQUIRE_GPU=1 makes a CPU-only
+# build fatal instead of a warning), and so does the check below.
+case "$board" in
+    jetson-*)
+        nvcc_bin="/usr/local/cuda/bin/nvcc"
+        for kv in ${build_env[@]+"${build_env[@]}"}; do
+            case "$kv" in CUDACXX=*) nvcc_bin="${kv#CUDACXX=}" ;; esac
+        done
+        if [ -x "$nvcc_bin" ]; then
+            say "CUDA: $("$nvcc_bin" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p') at $nvcc_bin"
+        elif [ -z "$llama_wheel" ] && [ "$dry" = 0 ]; then
+            echo "install.sh: no CUDA compiler at $nvcc_bin: install JetPack's CUDA toolkit first" \
+                 "(sudo apt install nvidia-jetpack), or pass --llama-wheel with a CUDA build;" \
+                 "without it llama.cpp would be built for the CPU only" >&2
+            exit 2
+        else
+            say "no CUDA compiler at $nvcc_bin (a dry run, or --llama-wheel given)"
+        fi
+        ;;
+esac
+
 # --- 3. llama-cpp-python built for this board, then the rest of edgerun ---------------------------
 if [ -n "$llama_wheel" ]; then
     case "$(basename "$llama_wheel")" in
@@ -289,6 +324,17 @@ if [ "$mode" = worker ]; then
 else
     run "$venv/bin/python" -m pip install "$pkg_serve"
 fi
+case "$board" in
+    jetson-*|apple-*)
+        # the build must offload: say so now rather than let the service run on the CPU
+        if [ "$dry" = 1 ]; then
+            say "would check: $venv/bin/edgerun profile show $board (its GPU devices)"
+        elif ! "$venv/bin/python" -c 'import sys; from edgerun import llama_lib; sys.exit(0 if llama_lib.gpu_devices() else 1)'; then
+            say "WARNING: the installed llama.cpp sees no GPU: the service would run on the CPU."
+            "$venv/bin/edgerun" profile show "$board" | sed -n 's/^\(backend\|device\|PROBLEM\|fix\) */  \1: /p' || true
+        fi
+        ;;
+esac
 
 if [ "$os" != Linux ]; then
     say "installed in $venv; this script sets up systemd services only (not $os):"
@@ -353,7 +399,8 @@ if [ "$dry" = 1 ]; then
     unit_text=""
     if [ -d "$source_spec" ]; then
         unit_text="$(PYTHONPATH="$source_spec${PYTHONPATH:+:$PYTHONPATH}" "$python" -m edgerun service print \
-            --env-file "$env_file" --exec-start "$venv/bin/edgerun serve" 2>/dev/null)" || unit_text=""
+            --env-file "$env_file" --exec-start "$venv/bin/edgerun serve" --profile "$board" 2>/dev/null)" \
+            || unit_text=""
     fi
     if [ -n "$unit_text" ]; then
         printf '%s\n' "$unit_text" | write_file "$unit_file" 0644
@@ -361,22 +408,19 @@ if [ "$dry" = 1 ]; then
         say "would write $unit_file from: $venv/bin/edgerun service print --env-file $env_file"
     fi
 else
-    "$venv/bin/edgerun" service print --env-file "$env_file" | write_file "$unit_file" 0644
+    "$venv/bin/edgerun" service print --env-file "$env_file" --profile "$board" | write_file "$unit_file" 0644
 fi
 case "$board" in
     jetson-*)
-        # DynamicUser gets no groups by default; the Jetson GPU device nodes belong to 'video'
-        # (and 'render'). Name only groups that exist: systemd refuses to start otherwise.
-        gpu_groups=""
+        # The unit of a Jetson profile names SupplementaryGroups=video render and DeviceAllow= for the GPU
+        # device nodes (edgerun/serve/systemd.py): DynamicUser's user gets no groups otherwise, and the
+        # unit's ProtectClock= closes the device cgroup to all but the listed nodes. systemd refuses to
+        # start a unit whose group does not exist: create a missing one (empty; udev's rules name it).
         for g in video render; do
-            if getent group "$g" >/dev/null; then gpu_groups="$gpu_groups $g"; fi
+            if ! getent group "$g" >/dev/null; then run groupadd --system "$g"; fi
         done
-        if [ -n "$gpu_groups" ]; then
-            run mkdir -p "$unit_file.d"
-            printf '[Service]\nSupplementaryGroups=%s\n' "${gpu_groups# }" | write_file "$unit_file.d/10-gpu.conf" 0644
-        else
-            say "warning: no 'video' group here; the service may not reach the GPU device nodes"
-        fi
+        # an older install's drop-in granted the groups alone; the unit itself does it now
+        [ -e "$unit_file.d/10-gpu.conf" ] && run rm -f "$unit_file.d/10-gpu.conf"
         ;;
 esac
 

@@ -56,3 +56,11 @@ class QuantizationError(EdgerunError):
 
 class ClusterError(EdgerunError):
     """An RPC worker is unreachable, busy, speaks another protocol, or was lost; or the build has no RPC."""
+
+
+class StorageError(EdgerunError):
+    """A file could not be written: the disk is full, the folder is read-only or not ours."""
+
+
+class GrammarError(InvalidArgument):
+    """A grammar from the caller is over a limit, or failed while the output was being generated."""

@@ -12,7 +12,7 @@ import numpy as np
 from .backends import model_memory, open_backend
 from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
 from .constrain.base import Constraint
-from .constrain.grammar import compile_constraint, grammar_from_options
+from .constrain.grammar import compile_constraint, grammar_from_options, vet_grammar
 from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
     special_tag_ids, tool_grammar
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
@@ -79,6 +79,8 @@ def parse_gamma(gamma) -> int | None:
 
 class Runtime:
     """A loaded target (+ optional drafter). Serves one generation at a time."""
+
+    gpu = None       # device.gpu.GpuStatus of the target (load() sets it): where its layers run
 
     def __init__(self, target, *, model_name: str, drafter=None, draft_name: str | None = None,
                  profile=None, spec: SpeculativeArgs = SpeculativeArgs(), policy: GammaPolicy | None = None,
@@ -147,6 +149,16 @@ class Runtime:
     def plan_chat(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
                   json_schema=None, grammar: str | None = None, response_format=None) -> ChatPlan:
         """Render the prompt and compile the grammar of a chat request (InvalidArgument on bad input)."""
+        shown, choice, g = self._structure(tools, tool_choice, parallel_tool_calls, json_schema, grammar,
+                                           response_format)
+        knows = self.tokenizer.template_knows_tools
+        msgs = chat_messages(messages, shown, knows)
+        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None,
+                                                   limit=self.n_ctx)
+        return ChatPlan(prompt, compile_constraint(g, self.tokenizer, self.target.n_vocab), shown, choice)
+
+    def _structure(self, tools, tool_choice, parallel_tool_calls, json_schema, grammar, response_format):
+        """(tools shown, tool choice, Grammar or None) of a request's structure options."""
         parsed = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, parsed)
         shown = parsed if choice.mode != "none" else []
@@ -154,17 +166,19 @@ class Runtime:
                 not (isinstance(response_format, dict) and response_format.get("type") == "text"):
             raise InvalidArgument("tools cannot be combined with json_schema, grammar or response_format: "
                                   "a tool call's arguments follow the tool's own parameters schema")
-        knows = self.tokenizer.template_knows_tools
-        msgs = chat_messages(messages, shown, knows)
-        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None,
-                                                   limit=self.n_ctx)
         if shown:
             g = tool_grammar(shown, choice, parallel=bool(parallel_tool_calls),
                              special_ids=special_tag_ids(self.tokenizer))
-            constraint = compile_constraint(g, self.tokenizer, self.target.n_vocab)
         else:
-            constraint = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
-        return ChatPlan(prompt, constraint, shown, choice)
+            g = grammar_from_options(json_schema=json_schema, grammar=grammar, response_format=response_format)
+        return shown, choice, g
+
+    def vet_structure(self, *, tools=None, tool_choice=None, parallel_tool_calls: bool = True, json_schema=None,
+                      grammar: str | None = None, response_format=None) -> None:
+        """Check a request's grammar (limits, then a compile in a sandbox process) without compiling it
+        here: the server calls it off the generation worker, so a bad grammar never holds the worker."""
+        _, _, g = self._structure(tools, tool_choice, parallel_tool_calls, json_schema, grammar, response_format)
+        vet_grammar(g, self.tokenizer, self.target.n_vocab)
 
     def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
                       gamma=None, stats: GenStats | None = None, constraint: Constraint | None = None,
@@ -335,7 +349,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
          n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
          flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
          pull: bool = True, progress=None, sampling: SamplingArgs | None = None, rpc=None,
-         tensor_split=None, on_lost_worker=None, parallel: int | None = 1) -> Runtime:
+         tensor_split=None, on_lost_worker=None, parallel: int | None = 1, require_gpu: bool = False) -> Runtime:
     """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
 
     draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
@@ -348,6 +362,8 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     parallel: sequences the llama.cpp contexts hold for continuous batching (Runtime.slots), None for the
     profile's; each gets n_ctx positions of KV cache, and the memory check counts them all. An ONNX
     target keeps one.
+    require_gpu: raise GpuRequired (edgerun/device/gpu.py) unless the target's layers are all on a GPU; without
+    it a profile that expects a GPU (Jetson, Apple) only warns when they are not.
     """
     from .device.detect import resolve as resolve_profile
     from .device.memory import check_memory_fit
@@ -360,6 +376,10 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     overrides = {k: v for k, v in dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                        flash_attn=flash_attn).items() if v is not None}
     args: BackendArgs = prof.backend_args(**overrides)
+    from .device import gpu as gpu_check
+
+    if require_gpu:                      # a build without a GPU fails before any model is pulled or loaded
+        gpu_check.enforce(gpu_check.check(prof, n_gpu_layers=args.n_gpu_layers, require=True), True)
     spec = SpeculativeArgs(gamma=parse_gamma(gamma),
                            **{k: v for k, v in dict(gamma_max=gamma_max, p_min=p_min).items() if v is not None})
 
@@ -400,15 +420,19 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
         cluster.attach(on_lost_worker)
     target = open_backend(target_path, args, cluster=cluster)
     try:
+        gpu = gpu_check.check(prof, target, n_gpu_layers=args.n_gpu_layers, require=require_gpu)
+        gpu_check.enforce(gpu, require_gpu)
         drafter = make_drafter(None if draft is None else (str(draft_path) if draft_path else draft), target,
                                backend_args=args, spec_args=spec, pull=pull)
         policy, store = None, None
         if drafter is not None and spec.gamma is None:
             policy = GammaTuner.for_runtime(prof, target, drafter, spec)
             store = TunerStore.for_pair(target, drafter)
-        return Runtime(target, model_name=str(model), drafter=drafter,
-                       draft_name=None if draft in (None, "none") else str(draft), profile=prof, spec=spec,
-                       policy=policy, sampling=sampling or SamplingArgs(), tuner_store=store)
+        rt = Runtime(target, model_name=str(model), drafter=drafter,
+                     draft_name=None if draft in (None, "none") else str(draft), profile=prof, spec=spec,
+                     policy=policy, sampling=sampling or SamplingArgs(), tuner_store=store)
+        rt.gpu = gpu
+        return rt
     except BaseException:
         target.close()
         raise

@@ -89,6 +89,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
+        if self.proc.poll() is None:        # a fixture that fails here runs no teardown: leave no server behind
+            self.proc.kill()
+            self.proc.wait()
         raise AssertionError("server never became ready; output:\n" + self.output)
 
     def wait_exit(self, timeout: float = 60) -> int:

@@ -234,6 +234,7 @@ class LlamaCppBackend:
         self._model = llama_lib.Model.load(path, n_gpu_layers=args.n_gpu_layers,
                                            use_mmap=args.use_mmap, use_mlock=args.use_mlock, cluster=cluster)
         self.cluster = cluster
+        self.placement = self._model.placement     # where the layers went (edgerun/device/gpu.py)
         self.path = self._model.path
         self.name = f"llama.cpp:{self.path.name}"
         self.tokenizer = Tokenizer(self._model)
@@ -265,8 +266,10 @@ class LlamaCppBackend:
         self.n_batch: int = cp.n_batch
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         # repacked weights, KV cache and compute buffers are anonymous memory: on 2 MiB pages a decode step
-        # costs fewer TLB misses (docs/decode.md, "Huge pages"); mmap'd file pages are left as they are
-        self.huge_bytes = hugepages.collapse_new_memory(before, self.path.name, "llama.cpp's model and KV memory")
+        # costs fewer TLB misses (docs/decode.md, "Huge pages"); mmap'd file pages are left as they are. The
+        # collapse starts after the first evaluation, on a thread of its own: it helps long runs only, and a
+        # one-shot command's first token need not wait for it
+        self.huge = hugepages.Pending(before, self.path.name, "llama.cpp's model and KV memory") if before else None
         self.n_vocab: int = self.tokenizer.n_vocab
         self.weight_bytes: int = int(L.llama_model_size(self._model.ptr))
         self.n_params: int = int(L.llama_model_n_params(self._model.ptr))
@@ -305,9 +308,15 @@ class LlamaCppBackend:
         positions; return, per row, float32 logits [k, n_vocab] of its last k positions. The tokens are
         checked already (check_eval); a sequence appears at most once. A context of several sequences
         evaluates on the engine thread (on_engine), one of one sequence on the calling thread."""
-        if self.n_seq > 1:
-            return on_engine(self._eval_rows, rows)
-        return self._eval_rows(rows)
+        out = on_engine(self._eval_rows, rows) if self.n_seq > 1 else self._eval_rows(rows)
+        if self.huge is not None:
+            self.huge.start()
+        return out
+
+    @property
+    def huge_bytes(self) -> int:
+        """Bytes of this backend's memory collapsed into huge pages so far (settle() first to wait)."""
+        return self.huge.done if self.huge is not None else 0
 
     def _eval_rows(self, rows: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
         L = llama_lib.lib()

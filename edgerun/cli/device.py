@@ -8,6 +8,8 @@ import json
 import click
 
 from ..device.detect import detect, gather_facts, resolve
+from ..device.gpu import status_for, status_lines
+from ..resolve import resolve_model
 from ..device.profiles import all_profiles
 
 
@@ -35,32 +37,43 @@ def _profile_lines(prof, why: str | None) -> list[str]:
     return lines
 
 
+_model_option = click.option("--model", "-m", default=None,
+                             help="Also load this model's weights (cached name or .gguf; no download) and show "
+                                  "where its layers land.")
+
+
 @profile_group.command("show")
 @click.argument("name", default="auto")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole profile as JSON.")
-def profile_show(name, as_json):
+@_model_option
+def profile_show(name, as_json, model):
     """Show a profile (NAME, a YAML path, or 'auto' for the detected one)."""
     prof, why = resolve(name)
+    st = status_for(prof, resolve_model(model, pull=False) if model else None)
     if as_json:
-        click.echo(json.dumps({**prof.to_dict(), "reason": why}, indent=1))
+        click.echo(json.dumps({**prof.to_dict(), "reason": why, "gpu": st.to_dict()}, indent=1))
     else:
-        click.echo("\n".join(_profile_lines(prof, why)))
+        click.echo("\n".join(_profile_lines(prof, why) + status_lines(st)))
 
 
 @profile_group.command("detect")
 @click.option("--root", default=None, help="Read the board's identity files under this directory "
               "(default: $EDGERUN_DEVICE_ROOT, else /).")
 @click.option("--json", "as_json", is_flag=True, help="Print the chosen profile, the reason and the facts as JSON.")
-def profile_detect(root, as_json):
-    """Detect the device and say which profile fits and why."""
+@_model_option
+def profile_detect(root, as_json, model):
+    """Detect the device and say which profile fits and why, and where llama.cpp's layers run."""
     prof, why = detect(root)
     facts = dataclasses.asdict(gather_facts(root))
+    st = status_for(prof, resolve_model(model, pull=False) if model else None)
     if as_json:
-        click.echo(json.dumps({"profile": prof.name, "reason": why, "facts": facts}, indent=1))
+        click.echo(json.dumps({"profile": prof.name, "reason": why, "facts": facts, "gpu": st.to_dict()}, indent=1))
     else:
         click.echo(f"{prof.name}\n  because: {why}")
         for k, v in facts.items():
             click.echo(f"  {k}: {v}")
+        for line in status_lines(st):
+            click.echo(f"  {line}")
 
 
 @profile_group.command("list")

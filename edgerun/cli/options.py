@@ -60,10 +60,17 @@ def sampling_options(f):
 
 
 def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc=None,
-                 tensor_split=None):
+                 tensor_split=None, require_gpu=False):
     return load(model, draft=draft, profile=profile_name, n_ctx=n_ctx, n_threads=n_threads,
                 n_gpu_layers=n_gpu_layers, gamma=gamma, pull=not no_pull, progress=progress_printer(),
-                rpc=rpc, tensor_split=tensor_split)
+                rpc=rpc, tensor_split=tensor_split, require_gpu=require_gpu)
+
+
+# --require-gpu of generate and chat (serve's is in serve/settings.py, with the same variable)
+require_gpu_option = click.option(
+    "--require-gpu", is_flag=True, envvar="EDGERUN_REQUIRE_GPU", show_envvar=True,
+    help="Fail (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile (Jetson, "
+         "Apple) whose GPU is not used only warns. docs/devices.md")
 
 
 def check_cluster_options(rpc, tensor_split) -> None:

@@ -10,8 +10,8 @@ import click
 from ..constrain.tools import parse_tool_choice, parse_tools, ToolCallStream
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from ..runtime import parse_gamma
-from .options import (check_cluster_options, load_runtime, model_options, read_arg_file, sampling_kw,
-                      sampling_options, structure_kw, with_structure_options)
+from .options import (check_cluster_options, load_runtime, model_options, read_arg_file, require_gpu_option,
+                      sampling_kw, sampling_options, structure_kw, with_structure_options)
 
 
 @click.command()
@@ -20,8 +20,10 @@ from .options import (check_cluster_options, load_runtime, model_options, read_a
 @sampling_options
 @with_structure_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
+@require_gpu_option
 def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc, tensor_split,
-             max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json):
+             max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, json_schema, grammar, as_json,
+             require_gpu):
     """Complete PROMPT (raw text; '-' reads it from stdin)."""
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -32,7 +34,7 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
         raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
     check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
-                      tensor_split) as rt:
+                      tensor_split, require_gpu) as rt:
         if as_json:
             c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw)
             out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
@@ -130,8 +132,9 @@ def _complete_json(text: str) -> bool:
 @click.option("--tool-choice", default="auto", show_default=True,
               help="auto, required, none, or a tool's name (the first answer of each turn; after tool "
                    "results the model answers under 'auto').")
+@require_gpu_option
 def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc, tensor_split, max_tokens,
-         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system, tools_spec, tool_choice):
+         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop, system, tools_spec, tool_choice, require_gpu):
     """Interactive multi-turn chat. /reset clears history, /stats shows speed, /exit quits; Ctrl-C stops an answer."""
     kw = sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
     tools = _load_tools(tools_spec)
@@ -141,7 +144,7 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
         parse_tool_choice(tool_choice, parse_tools(tools))
     check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
-                      tensor_split) as rt:
+                      tensor_split, require_gpu) as rt:
         base = [{"role": "system", "content": system}] if system else []
         messages = list(base)
         click.echo(f"edgerun chat - {rt.model_name}" + (f" (draft: {rt.draft_name})" if rt.draft_name else "")

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from ..device.detect import resolve
 from ..serve.systemd import build_flags, render_unit
 
 
@@ -20,9 +21,12 @@ def service() -> None:
 @click.option("--watchdog-sec", type=int, default=60, show_default=True, help="WatchdogSec= of the unit.")
 @click.option("--exec-start", default=None,
               help="ExecStart= command (default: this installation's `edgerun serve`).")
-def service_print(env_file, watchdog_sec, exec_start):
+@click.option("--profile", "profile_name", default="auto", show_default=True,
+              help="Device profile: a Jetson's adds the GPU's groups and device nodes ('auto' detects the board).")
+def service_print(env_file, watchdog_sec, exec_start, profile_name):
     """Print the systemd unit for this installation (paths filled in)."""
-    click.echo(render_unit(exec_start, env_file=env_file, watchdog_sec=watchdog_sec), nl=False)
+    click.echo(render_unit(exec_start, env_file=env_file, watchdog_sec=watchdog_sec,
+                           profile=resolve(profile_name)[0]), nl=False)
 
 
 @service.command("build-flags")

@@ -3,8 +3,9 @@
 llguidance (MIT, no dependencies, wheels for linux x86-64/aarch64 and macOS arm64) computes the
 token mask of a JSON Schema, Lark or regex grammar in tens of microseconds at a 150k vocabulary and
 rolls back in microseconds: what speculative decoding needs. Its errors put the matcher in an error
-state instead of raising; this module turns them into InvalidArgument (bad grammar, before any
-token is generated) or BackendError (a failure while generating).
+state instead of raising; this module turns them into GrammarError, an InvalidArgument (a 400 from
+the server), both before any token is generated and while generating. Grammars come from requests:
+limits.py bounds them before llguidance sees them, and `parser_limits` bounds llguidance's work.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import BackendError, InvalidArgument
+from ..errors import BackendError, GrammarError, InvalidArgument
+from . import sandbox
+from .limits import LIMITS, check_lark, check_regex, check_schema, check_text
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +31,7 @@ log = logging.getLogger(__name__)
 # loop on newlines forever, and '", "' / '": "' are the spellings models were trained on.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _LARK_START = re.compile(r"^\s*start\s*:", re.MULTILINE)
-MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_GRAMMAR_CHARS = LIMITS.max_chars
 _ATTR_CONTROL, _ATTR_USER_DEFINED = 1 << 3, 1 << 4      # llama_token_attr bits (llama.h)
 
 
@@ -62,21 +67,24 @@ class Grammar:
                                       f"column {e.colno}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidArgument(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+        check_schema(schema)
         llg = _llguidance()
         try:
             source = llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise InvalidArgument(f"the JSON schema is not valid: {_first_lines(str(e))}") from None
         return Grammar("json_schema", source, "the JSON schema")
 
     @staticmethod
     def lark(text: str) -> "Grammar":
         _check_text(text, "Lark grammar")
+        check_lark(text)
         return Grammar("lark", _llguidance().LLMatcher.grammar_from_lark(text), "the Lark grammar")
 
     @staticmethod
     def regex(pattern: str) -> "Grammar":
         _check_text(pattern, "regex")
+        check_regex(pattern)
         return Grammar("regex", _llguidance().LLMatcher.grammar_from_regex(pattern), "the regex")
 
     @staticmethod
@@ -87,11 +95,19 @@ class Grammar:
         return Grammar.lark(text) if _LARK_START.search(text) else Grammar.regex(text)
 
 
+def parser_limits():
+    """llguidance's own limits, below its defaults where those let one grammar hold the worker for seconds:
+    lexer fuel (~50k/ms to build, ~14k/ms per mask), Earley items per mask step (~20k/ms), lexer states
+    and grammar size. A grammar that hits one fails with llguidance's message, which names the limit."""
+    return _llguidance().LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=400_000,
+                                        step_max_items=50_000, max_lexer_states=50_000,
+                                        max_grammar_size=200_000, max_items_in_row=2_000)
+
+
 def _check_text(text: Any, what: str) -> None:
     if not isinstance(text, str) or not text.strip():
         raise InvalidArgument(f"the {what} must be a non-empty string, got {text!r:.60}")
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise InvalidArgument(f"the {what} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
+    check_text(text, what)
 
 
 def grammar_from_options(*, json_schema: Any = None, grammar: str | None = None,
@@ -166,11 +182,15 @@ class _Vocab:
         self.n_vocab = n_vocab
 
 
+_vocab_lock = threading.Lock()       # the server's request threads and its worker may both ask first
+
+
 def _vocab(tokenizer, n_vocab: int) -> _Vocab:
-    per = _tokenizers.setdefault(tokenizer, {})
-    if n_vocab not in per:
-        per[n_vocab] = _Vocab(tokenizer, n_vocab)
-    return per[n_vocab]
+    with _vocab_lock:
+        per = _tokenizers.setdefault(tokenizer, {})
+        if n_vocab not in per:
+            per[n_vocab] = _Vocab(tokenizer, n_vocab)
+        return per[n_vocab]
 
 
 def special_token_name(tokenizer, text: str) -> bool:
@@ -190,24 +210,21 @@ class GrammarConstraint:
     is the one the target's verification uses."""
 
     def __init__(self, grammar: Grammar, tokenizer, n_vocab: int | None = None) -> None:
-        llg = _llguidance()
         n_vocab = n_vocab or tokenizer.n_vocab
         self._v = _vocab(tokenizer, n_vocab)
         self.grammar = grammar
-        err = llg.LLMatcher.validate_grammar(grammar.source, self._v.llt)
-        if err:
-            raise InvalidArgument(f"{grammar.what} does not compile: {_first_lines(err)}")
-        self._m = llg.LLMatcher(self._v.llt, grammar.source, log_level=0)
-        if self._m.is_error():
-            raise InvalidArgument(f"{grammar.what} does not compile: {_first_lines(self._m.get_error())}")
+        sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, self._v))
+        self._m = _matcher(grammar, self._v)
         self.n_vocab = n_vocab
         self.tokens: list[int] = []
         self._masks: list[np.ndarray | None] = [None]      # [k]: mask after tokens[:k]
         self._eog = frozenset(self._v.eog)
+        self.mask()             # the first mask now: a grammar that cannot compute one fails before any token
 
     def _check(self) -> None:
         if self._m.is_error():
-            raise BackendError(f"grammar matcher failed: {_first_lines(self._m.get_error())}")
+            raise GrammarError(f"{self.grammar.what} failed while generating (a limit on grammars from requests, "
+                               f"or a bug): {_first_lines(self._m.get_error())}")
 
     def mask(self) -> np.ndarray:
         m = self._masks[-1]
@@ -216,7 +233,7 @@ class GrammarConstraint:
             bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
             m = np.unpackbits(bits, bitorder="little")[: self.n_vocab].astype(bool) & self._v.allowed
             if not m.any():
-                raise BackendError(f"{self.grammar.what} allows no token after {len(self.tokens)} tokens")
+                raise GrammarError(f"{self.grammar.what} allows no token after {len(self.tokens)} tokens")
             self._masks[-1] = m
         return m
 
@@ -274,6 +291,67 @@ class GrammarConstraint:
     def reset(self) -> None:
         self._m.reset()
         self.tokens, self._masks = [], [None]
+
+
+def _matcher(grammar: Grammar, v: _Vocab):
+    """llguidance's matcher of `grammar` under `parser_limits` (GrammarError if it does not compile)."""
+    llg = _llguidance()
+    limits = parser_limits()
+    err = llg.LLMatcher.validate_grammar(grammar.source, v.llt, limits=limits)
+    if err:
+        raise GrammarError(f"{grammar.what} does not compile: {_first_lines(err)}")
+    m = llg.LLMatcher(v.llt, grammar.source, log_level=0, limits=limits)
+    if m.is_error():
+        raise GrammarError(f"{grammar.what} does not compile: {_first_lines(m.get_error())}")
+    return m
+
+
+TRIAL_STEPS = 16
+COMPILE_CPU_S = 0.150   # compile + the trial's masks, CPU time: 30 tools with enums and patterns take ~16 ms
+MASK_CPU_S = 0.020      # one mask's CPU time at most: legitimate grammars take well under a millisecond
+
+
+def _trial(grammar: Grammar, v: _Vocab) -> None:
+    """What the sandbox runs: compile, then the masks along the first allowed token, TRIAL_STEPS deep,
+    within COMPILE_CPU_S of CPU time in all and MASK_CPU_S each (a mask is computed for every generated
+    token, on the worker). CPU time, not wall time: a board under load must not refuse a good grammar."""
+    t0 = time.process_time()
+    m = _matcher(grammar, v)
+    eog = set(v.eog)
+    for _ in range(TRIAL_STEPS):
+        _within_budget(grammar, time.process_time() - t0)
+        t = time.process_time()
+        raw = m.compute_bitmask()
+        spent = time.process_time() - t
+        if spent > MASK_CPU_S:
+            raise GrammarError(f"{grammar.what} takes {spent * 1000:.0f} ms of CPU to compute one token's mask; the "
+                               f"limit for a grammar from a request is {MASK_CPU_S * 1000:.0f} ms (fewer "
+                               "alternatives or shared definitions usually fix it)")
+        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+        if m.is_error():
+            raise GrammarError(f"{grammar.what} fails: {_first_lines(m.get_error())}")
+        allowed = np.flatnonzero(bits[: v.n_vocab].astype(bool) & v.allowed)
+        nxt = next((int(t) for t in allowed if int(t) not in eog), None)
+        if nxt is None:
+            if len(allowed) == 0:
+                raise GrammarError(f"{grammar.what} allows no token")
+            return
+        m.consume_token(nxt)
+        if m.is_error():
+            raise GrammarError(f"{grammar.what} fails: {_first_lines(m.get_error())}")
+
+
+def vet_grammar(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) -> None:
+    """The sandbox's verdict on `grammar` for this vocabulary (GrammarError if refused), remembered."""
+    if grammar is not None:
+        v = _vocab(tokenizer, n_vocab or tokenizer.n_vocab)
+        sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, v))
+
+
+def _within_budget(grammar: Grammar, spent: float) -> None:
+    if spent > COMPILE_CPU_S:
+        raise GrammarError(f"{grammar.what} takes more than {COMPILE_CPU_S * 1000:.0f} ms of CPU to compile, the "
+                           "limit for a grammar from a request; simplify it (fewer alternatives, rules or repetitions)")
 
 
 def compile_constraint(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) -> GrammarConstraint | None:

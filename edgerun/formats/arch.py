@@ -201,6 +201,11 @@ def config_from_hf(config: Mapping[str, Any], path: Path | str = "config.json") 
         raise QuantizationError(f"{path}: rope_scaling {config['rope_scaling']!r} is not supported; "
                                 "expected a model without RoPE scaling")
     vals = {f: config[k] for k, f in HF_CONFIG_KEYS}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = config.get(key)
+        if key in config and v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            raise QuantizationError(f"{path}: {key} must be a positive integer, got {v!r:.40}")
     n_head = int(vals["n_head"])
     n_embd = int(vals["n_embd"])
     return ModelConfig(

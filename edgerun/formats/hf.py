@@ -123,10 +123,30 @@ def open_checkpoint(path: Path, what: str = "a Hugging Face checkpoint"):
     if not files:
         raise ModelFormatError(f"{path}: no *.safetensors files; expected {what}")
     st = SafetensorsFiles(files)
+    check_dimensions(cfg, st, path / "config.json")
     tied = cfg.tied or "lm_head.weight" not in st
     if tied != cfg.tied:
         cfg = ModelConfig(**{**cfg.__dict__, "tied": tied})
     return config, arch, cfg, files, st
+
+
+def check_dimensions(cfg: ModelConfig, st: SafetensorsFiles, where: Path) -> None:
+    """config.json's layer count and widths against the tensors the files hold, before anything is
+    planned or allocated from them (a config that claims a million layers is refused here)."""
+    layers = set()
+    for name in st.index:
+        parts = name.split(".")
+        if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+            layers.add(int(parts[2]))
+    if len(layers) != cfg.n_layer or (layers and max(layers) != cfg.n_layer - 1):
+        raise ModelFormatError(f"{where}: num_hidden_layers is {cfg.n_layer} but the safetensors files hold "
+                               f"tensors of {len(layers)} layers; tensors are missing or the config is wrong")
+    emb = st.index.get("model.embed_tokens.weight")
+    if emb is None:
+        raise ModelFormatError(f"{where.parent}: missing tensor model.embed_tokens.weight")
+    if tuple(emb.shape) != (cfg.n_vocab, cfg.n_embd):
+        raise ModelFormatError(f"{where}: vocab_size x hidden_size is {cfg.n_vocab} x {cfg.n_embd} but "
+                               f"model.embed_tokens.weight has shape {list(emb.shape)}")
 
 
 class HFSource:

@@ -14,7 +14,9 @@ period) and the process exits 0. Errors are OpenAI-shaped JSON: {"error": {messa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -33,13 +35,14 @@ from starlette.requests import ClientDisconnect
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
 from . import promptcache
-from .scheduler import Job, JobResult, QueueFull, Scheduler, Unavailable
+from .clients import client_key
+from .scheduler import ClientBusy, Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
-from ..errors import ContextOverflow, EdgerunError
+from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
-                       max_tokens_from, reject_unsupported, sampling_from, sse_data, sse_framer, stop_from,
-                       structure_from, usage, validate)
+                       max_tokens_from, parse_body, reject_unsupported, sampling_from, sse_data, sse_framer,
+                       stop_from, structure_from, usage, validate)
 from .settings import ServerConfig
 
 
@@ -58,6 +61,10 @@ class _State:
         cache = promptcache.sized(config.prompt_cache_mib)
         self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
                                    on_load_error=self._on_load_error, on_result=self._on_result, prompt_cache=cache)
+        self.scheduler.max_per_client = config.max_per_client
+        # grammars are vetted on one thread of their own (constrain/sandbox.py): one child at a time, and
+        # one malloc arena instead of one per pool thread
+        self.vetting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerun-vet")
         self.model_names: set[str] = {config.model}
         if "/" in config.model or config.model.endswith(".gguf"):
             self.model_names.add(Path(config.model).name)
@@ -175,6 +182,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             yield
         finally:
             watchdog.cancel()
+            state.vetting.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(state.scheduler.stop, 30.0)
 
     app = FastAPI(title="edgerun", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -220,6 +228,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         else:
             body, status = {"status": "ok", "model": state.model_id, "queue_depth": sch.depth, "busy": sch.busy,
                             "integrity": state.integrity}, 200
+            body["gpu"] = _gpu_dict(sch.runtime)         # where the target's layers run (device/gpu.py)
         headers = {"Retry-After": "5"} if status == 503 else {}
         return JSONResponse(body, status_code=status, headers=headers)
 
@@ -234,7 +243,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                                     batch=(group.n_steps, group.n_rows, group.eval_s, group.n_moves) if group is not None
                                     else (0, 0, 0.0, 0),
                                     prompt_cache=(pc.hits, pc.saved_positions, pc.nbytes, len(pc)) if pc is not None
-                                    else (0, 0, 0, 0))
+                                    else (0, 0, 0, 0),
+                                    gpu=_gpu_dict(sch.runtime))
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -252,14 +262,20 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         reject_unsupported(req)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
+        n_ctx = getattr(state.scheduler.runtime, "n_ctx", None)
+        if n_ctx and len(req.messages) > n_ctx:      # every turn takes a token at least: refuse before rendering
+            raise APIError(400, f"the conversation has {len(req.messages)} messages, more than the {n_ctx} tokens "
+                                "the context holds (every message takes at least one)", param="messages",
+                           code="context_length_exceeded")
         messages = [chat_message(m) for m in req.messages]
         _check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
         mt = max_tokens_from(req.max_tokens, "max_tokens")
         if req.max_completion_tokens is not None:
             mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
         structure, tools, choice = structure_from(req, chat=True)
+        await _vet(state, structure)
         job = Job(messages=messages, max_tokens=mt, stop=stop_from(req), sampling=sampling_from(req),
-                  timeout_s=config.timeout_s, structure=structure)
+                  timeout_s=config.timeout_s, structure=structure, client=client_key(request.scope, config))
         return await _respond(state, request, req, job, chat=True, tools=tools if choice.mode != "none" else [])
 
     @app.post("/v1/completions")
@@ -284,8 +300,10 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         if isinstance(prompt, str):
             _check_fits(state, len(prompt.encode("utf-8", "surrogatepass")), chat=False)
         structure, _, _ = structure_from(req, chat=False)
+        await _vet(state, structure)
         job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
-                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure)
+                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure,
+                  client=client_key(request.scope, config))
         return await _respond(state, request, req, job, chat=False)
 
     async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool, tools=()):
@@ -294,6 +312,9 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         job.events.hold_s = config.stream_interval_ms / 1000 if req.stream else math.inf
         try:
             state.scheduler.submit(job)
+        except ClientBusy as e:
+            raise APIError(429, str(e), code="too_many_requests",
+                           headers={"Retry-After": str(e.retry_after)}) from None
         except QueueFull as e:
             raise APIError(503, str(e), type="server_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
@@ -333,6 +354,11 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
     return app
 
 
+def _gpu_dict(runtime) -> dict | None:
+    gpu = getattr(runtime, "gpu", None)
+    return gpu.to_dict() if gpu is not None else None
+
+
 def default_loader(config: ServerConfig) -> Callable[[], Any]:
     def load():
         from ..runtime import load as load_runtime
@@ -340,6 +366,7 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
         opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
                 if v is not None}
         opts["parallel"] = config.parallel          # None: the device profile's
+        opts["require_gpu"] = config.require_gpu
         if config.rpc:
             opts.update(rpc=list(config.rpc), tensor_split=list(config.tensor_split) or None,
                         on_lost_worker=_exit_lost_worker)
@@ -419,6 +446,18 @@ class _Gate:
 
 
 
+async def _vet(state: _State, structure: dict) -> None:
+    """A request's grammar checked on a thread of its own (limits, then a sandboxed compile: see
+    constrain/sandbox.py) before it is queued: a bad one is a 400 and never reaches the worker."""
+    vet = getattr(state.scheduler.runtime, "vet_structure", None)
+    if not structure or vet is None:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.vetting, functools.partial(vet, **structure))
+    except InvalidArgument as e:
+        raise APIError(400, str(e), code="invalid_value") from None
+
+
 def _check_fits(state: _State, n_bytes: int, *, chat: bool) -> None:
     """A prompt too long to fit the context whatever its tokens: 400 here, before it takes a queue slot
     (its tokenization would hold the one worker)."""
@@ -438,13 +477,13 @@ _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 def _browser_refusal(config, headers: dict) -> APIError | None:
     """Requests a web page (not the board's user) could have made: a Host that is not this server's
     loopback name (DNS rebinding) or an Origin that is not allowed (cross-site requests)."""
-    from .settings import is_loopback
+    from .settings import is_loopback, is_loopback_address
 
     if is_loopback(config.host):
         host = headers.get(b"host", b"").decode("latin-1").strip().lower()
         name = host[: host.rindex("]") + 1] if host.startswith("[") else host.split(":", 1)[0]
         allowed = _LOOPBACK_NAMES | {h.lower() for h in config.allowed_hosts} | {config.host}
-        if host and name not in allowed and not name.startswith("127."):
+        if host and name not in allowed and not is_loopback_address(name):
             return APIError(403, f"Host {name!r:.60} is not this server's name (a web page using DNS rebinding?); "
                                  "allow it with --allow-host / EDGERUN_ALLOW_HOST", code="host_not_allowed")
     origin = headers.get(b"origin", b"").decode("latin-1").strip()
@@ -506,17 +545,7 @@ async def _read_json(request, limit: int) -> Any:
     except ClientDisconnect:
         raise APIError(499, "the client closed the connection while sending the request",
                        code="client_closed_request") from None
-    raw = b"".join(chunks)
-
-    def no_constants(name: str):
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=no_constants)
-    except UnicodeDecodeError:
-        raise APIError(400, "request body is not UTF-8 text", code="invalid_json") from None
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    return parse_body(b"".join(chunks))
 
 
 async def _next_event(state: _State, job: Job) -> tuple[str, Any]:

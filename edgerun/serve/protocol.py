@@ -39,7 +39,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-FAILED = ("error", "shutdown", "cancelled")     # job outcomes that are answered with an error
+FAILED = ("error", "shutdown", "cancelled", "evicted")     # job outcomes that are answered with an error
 
 
 def error_from_result(res: JobResult, timeout_s: float, chat: bool) -> APIError:
@@ -57,6 +57,9 @@ def error_from_result(res: JobResult, timeout_s: float, chat: bool) -> APIError:
     if res.outcome == "shutdown":
         return APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                         headers={"Retry-After": "5"})
+    if res.outcome == "evicted":
+        return APIError(503, "the queue is full and this client holds more requests than another that asked; "
+                             "retry later", type="server_error", code="queue_full", headers={"Retry-After": "5"})
     if res.outcome == "timeout":
         return APIError(503, f"the request waited its whole time limit ({timeout_s:g} s) in the queue",
                         type="server_error", code="queue_timeout", headers={"Retry-After": "5"})
@@ -135,6 +138,45 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-\w+|.*\[.*\]|[A-Z]\w
 def _param_of(loc: tuple) -> str:
     parts = [str(p) for p in loc if not (isinstance(p, str) and _TYPE_TAG.match(p))]
     return ".".join(parts)
+
+
+MAX_NESTING = 512          # arrays/objects inside one another in a request body (a schema needs ~2 per level)
+_BRACKETS = re.compile(rb'"(?:[^"\\\\]|\\\\.)*"|[\[\]{}]')
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as JSON: UTF-8, nested at most MAX_NESTING deep, no NaN/Infinity, and no string
+    anywhere that is not valid Unicode (a lone surrogate written as \\ud800)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not UTF-8 text", code="invalid_json") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:      # only then can it nest that deep: scan it
+        depth = 0
+        for m in _BRACKETS.finditer(raw):
+            c = m.group()
+            if c in (b"[", b"{"):
+                depth += 1
+                if depth > MAX_NESTING:
+                    raise APIError(400, f"request body nests arrays and objects more than {MAX_NESTING} levels "
+                                        "deep; that is the limit", code="invalid_json")
+            elif c in (b"]", b"}"):
+                depth -= 1
+
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        data = json.loads(text, parse_constant=no_constants)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if "\\u" in text:        # only an escape can write a lone surrogate in UTF-8 JSON
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"request body holds a string that is not valid Unicode ({e.object[e.start:e.end]!a}, "
+                                "a lone surrogate); expected UTF-8 text", code="invalid_value") from None
+    return data
 
 
 def validate(model_cls, data: Any):

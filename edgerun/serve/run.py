@@ -20,6 +20,8 @@ except ImportError:                    # pragma: no cover - the serve extra inst
 
 from ..cluster.rpc import parse_endpoints
 from ..cluster.status import require_all, status
+from ..device import gpu
+from ..device.detect import resolve as resolve_profile
 from ..errors import ClusterError, EdgerunError, ModelNotFound
 from ..registry.manifest import get_manifest
 from ..resolve import resolve_model
@@ -36,6 +38,8 @@ def precheck(config: ServerConfig) -> None:
     """Fail before binding the socket when a model name can never resolve (typo, missing file).
 
     A registry model that is not cached yet passes: it is pulled after the socket is bound."""
+    if config.require_gpu:             # a llama.cpp without a GPU fails before the socket is bound
+        gpu.enforce(gpu.check(resolve_profile(config.profile)[0], require=True), True)
     if config.rpc:                     # the workers answer and speak our protocol (asked in a child process)
         require_all(status(parse_endpoints(config.rpc)))
     for spec in (config.model, config.draft):

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -45,6 +45,10 @@ class QueueFull(EdgerunError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ClientBusy(QueueFull):
+    """One client already holds as many running and waiting requests as one client may."""
 
 
 class Unavailable(EdgerunError):
@@ -183,7 +187,7 @@ class Job:
     def __init__(self, *, prompt: str | None = None, messages: Sequence[dict] | None = None,
                  prompt_tokens: Sequence[int] | None = None, max_tokens: int | None = None,
                  stop: Sequence[str] = (), sampling: dict | None = None, timeout_s: float = 300.0,
-                 structure: dict | None = None) -> None:
+                 structure: dict | None = None, client: Any = None) -> None:
         if sum(x is not None for x in (prompt, messages, prompt_tokens)) != 1:
             raise ValueError("a Job needs exactly one of prompt, messages and prompt_tokens")
         self.prompt = prompt
@@ -196,6 +200,7 @@ class Job:
         # the output's structure: tools / tool_choice / parallel_tool_calls / response_format / json_schema
         # (compiled on the worker, before the first token: a bad one fails the job as InvalidArgument)
         self.structure = dict(structure or {})
+        self.client = client                       # who asked (serve/clients.py): the per-client cap's key
         self.created = time.monotonic()
         self.deadline = self.created + timeout_s
         self.events = JobEvents(asyncio.get_running_loop())
@@ -252,6 +257,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []               # jobs the slots run, in the order they started
         self.n_slots = 1                            # generations that run at once (the Runtime's parallel)
+        self.max_per_client = 0                     # requests one client may hold running + waiting (0: no cap)
         self.slots: list[Any] = []                  # the Runtime of each slot (the Runtime itself for one)
         self._draining = False
         self._stopping = False
@@ -312,15 +318,41 @@ class Scheduler:
                 raise Unavailable(f"the model failed to load: {self.load_error}")
             if not self.ready.is_set():
                 raise Unavailable("the model is still loading; retry shortly", retry_after=5)
+            held = Counter(j.client for j in (*self._running, *self._waiting))
+            cap = self.max_per_client
+            if cap and held[job.client] >= cap:
+                raise ClientBusy(f"this client already has {cap} requests running or waiting, the most one client "
+                                 "may hold (--max-per-client); retry later", self.retry_after())
             free = max(0, self.n_slots - len(self._running))      # slots that take a job at once
+            evicted = None
             if len(self._waiting) >= self.queue_limit + free:
-                raise QueueFull(f"all {self.queue_limit} queue slots are taken and every generation slot is "
-                                f"busy; retry later", self.retry_after())
+                evicted = self._fair_victim(job.client, held)
+                if evicted is None:
+                    raise QueueFull(f"all {self.queue_limit} queue slots are taken and every generation slot is "
+                                    f"busy; retry later", self.retry_after())
+                self._waiting.remove(evicted)
             self._waiting.append(job)
             self._cond.notify_all()
             group = getattr(self.slots[0], "group", None) if len(self.slots) > 1 else None
+        if evicted is not None:
+            log.info("queue full: a client holding fewer requests took the place of one of client %s's",
+                     evicted.client)
+            evicted.request_stop("evicted")
+            self._end_unstarted(evicted, "evicted")
         if group is not None:       # a slot freed by a finished job may be holding for a move (_compact):
             group.cancel_moves()    # it takes this job now instead, as it would had the job come first
+
+    def _fair_victim(self, client: Any, held: Counter) -> "Job | None":
+        """With the queue full, the newest waiting job of the client holding the most requests, if that
+        client holds at least two more than `client` does: one client's flood cannot keep the others out,
+        and one client alone is queued exactly as before."""
+        others = [(n, c) for c, n in held.items() if c != client]
+        if not others:
+            return None
+        n, heavy = max(others, key=lambda nc: nc[0])
+        if n < held[client] + 2:
+            return None
+        return next((j for j in reversed(self._waiting) if j.client == heavy), None)
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: a waiting one leaves the queue at once, a running one stops after its current step."""

@@ -8,6 +8,7 @@ writes deploy/edgerun.env (a test keeps the committed file equal to it).
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +31,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    max_per_client: int = 0              # requests one client may hold running + waiting (0: no cap)
+    trusted_proxies: tuple[str, ...] = ()   # peers whose X-Forwarded-For names the client (serve/clients.py)
     queue: int = 8                       # requests allowed to wait behind the running ones
     parallel: int | None = None          # generations batched at once (None: the device profile's)
     prompt_cache_mib: int = 256          # RAM for finished sequences' KV caches (serve/promptcache.py); 0: off
@@ -46,6 +49,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides the loopback ones
     rpc: tuple[str, ...] = ()            # RPC workers the target is split over (HOST:PORT)
     tensor_split: tuple = ()             # their shares (+ optionally the head's, last)
+    require_gpu: bool = False            # refuse to serve unless the target's layers are all on a GPU
     load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
 
     def __post_init__(self) -> None:
@@ -55,6 +59,13 @@ class ServerConfig:
             raise InvalidArgument(f"parallel must be an integer in 1..64 (generations at once), got {self.parallel!r}")
         if not isinstance(self.prompt_cache_mib, int) or self.prompt_cache_mib < 0:
             raise InvalidArgument(f"prompt cache must be an integer >= 0 MiB (0: off), got {self.prompt_cache_mib!r}")
+        if not (isinstance(self.max_per_client, int) and self.max_per_client >= 0):
+            raise InvalidArgument(f"max per client must be an integer >= 0 (0: no cap), got {self.max_per_client!r}")
+        for p in self.trusted_proxies:
+            try:
+                ipaddress.ip_address(p.strip("[]"))
+            except ValueError:
+                raise InvalidArgument(f"--trusted-proxy {p!r:.60} is not an IP address") from None
         if not isinstance(self.queue, int) or self.queue < 0:
             raise InvalidArgument(f"queue must be an integer >= 0 (requests waiting), got {self.queue!r}")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
@@ -93,12 +104,16 @@ def _same(v: Any) -> Any:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
+    return host == "localhost" or is_loopback_address(host)
 
+
+def is_loopback_address(host: str) -> bool:
+    """Whether `host` is a loopback IP address written as one (127.0.0.0/8, ::1): a name that merely
+    begins with "127." (127.0.0.1.attacker.example) is a DNS name like any other."""
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return host == "localhost"
+        return False
 
 
 def _csv(value: str | None) -> tuple[str, ...]:
@@ -146,7 +161,14 @@ SETTINGS: tuple[Setting, ...] = (
                      'set EDGERUN_API_KEY as well then (clients send "Authorization: Bearer <key>").')),
     Setting("port", ("--port",), "EDGERUN_PORT", "", type=click.IntRange(0, 65535), default=8080, env_value="8080"),
     Setting("api_key", ("--api-key",), "EDGERUN_API_KEY",
-            "Require 'Authorization: Bearer KEY' on every endpoint but /health.", env_example="change-me"),
+            "Require 'Authorization: Bearer KEY' on every endpoint but /health. A key on the command line is "
+            "visible to every user in the process list: prefer --api-key-file or the variable.",
+            env_example="change-me"),
+    Setting("api_key_file", ("--api-key-file",), "EDGERUN_API_KEY_FILE",
+            "Read the API key from this file (its first line), instead of --api-key.",
+            type=click.Path(dir_okay=False), env_example="/etc/edgerun/api-key", field="api_key",
+            to_config=lambda path: read_key_file(path) if path else None,
+            env_doc=("Or keep the key in a file readable by root only (the unit reads it before dropping rights).",)),
     Setting("insecure_no_auth", ("--insecure-no-auth",), "EDGERUN_INSECURE_NO_AUTH",
             "DANGEROUS: serve a non-loopback --host without an API key (anyone who reaches the port can use "
             "the model). Refused otherwise.", is_flag=True, env_example="1",
@@ -161,6 +183,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("allow_host", ("--allow-host",), "EDGERUN_ALLOW_HOST",
             "Host header names accepted besides localhost/127.0.0.1/::1 when serving loopback (comma-separated).",
             env_example="edgerun.local", field="allowed_hosts", to_config=_csv),
+    Setting("max_per_client", ("--max-per-client",), "EDGERUN_MAX_PER_CLIENT",
+            "Requests one client may have running or waiting at once (more get 429); 0: no cap. Without a cap, "
+            "a full queue still makes room for a client holding fewer requests than another. A client is its "
+            "address; on loopback, the Unix user owning the connection.",
+            type=click.IntRange(0, None), default=0, env_value="0",
+            env_doc=("", "Fairness: requests one client may hold running + waiting (0: no cap; a full queue still",
+                     "makes room for a client holding fewer than another). A client is its address; on loopback,",
+                     "the Unix user owning the connection; behind a proxy listed in EDGERUN_TRUSTED_PROXY, the",
+                     "address its X-Forwarded-For names.")),
+    Setting("trusted_proxy", ("--trusted-proxy",), "EDGERUN_TRUSTED_PROXY",
+            "Addresses of reverse proxies (comma-separated) whose X-Forwarded-For header names the client "
+            "for the per-client cap. Any process that can connect from such an address can claim any client "
+            "address: list only a proxy that is the sole way in.", env_example="127.0.0.1",
+            field="trusted_proxies", to_config=_csv),
     Setting("parallel", ("--parallel",), "EDGERUN_PARALLEL",
             "Generations run at once, batched in one model context (continuous batching; each slot reserves "
             "--ctx positions of KV cache). Default: the device profile's.", type=click.IntRange(1, 64),
@@ -214,6 +250,12 @@ SETTINGS: tuple[Setting, ...] = (
                      "(/var/cache/edgerun); uncomment only to use another place the service may write to.",
                      "#EDGERUN_HOME=/var/cache/edgerun",
                      "Fail at start instead of downloading a model that is not cached yet (air-gapped boards).")),
+    Setting("require_gpu", ("--require-gpu",), "EDGERUN_REQUIRE_GPU",
+            "Refuse to start (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile "
+            "(Jetson, Apple) whose GPU is not used only logs a warning. /health shows where the layers are.",
+            is_flag=True, env_example="1",
+            env_doc=("", "GPU boards: fail at start instead of serving on the CPU when the model's layers did not",
+                     "land on the GPU (a llama.cpp without CUDA, an unreachable device). docs/devices.md")),
 )
 
 
@@ -232,9 +274,30 @@ def click_options(f: Callable) -> Callable:
 
 
 def config_from_options(options: dict[str, Any], **extra: Any) -> ServerConfig:
-    """A ServerConfig from the parsed serve options (the CLI function's keyword arguments)."""
-    values = {(s.field or s.name): s.to_config(options[s.name]) for s in SETTINGS}
+    """A ServerConfig from the parsed serve options (the CLI function's keyword arguments). Two settings
+    of one field (--api-key, --api-key-file) may not both be given."""
+    values: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    for s in SETTINGS:
+        field_name, v = s.field or s.name, s.to_config(options[s.name])
+        if field_name in given and v is not None and values.get(field_name) is not None:
+            raise InvalidArgument(f"{given[field_name]} and {s.flags[0]} are both given; use one")
+        if v is not None or field_name not in values:
+            values[field_name] = v
+            given[field_name] = s.flags[0]
     return ServerConfig(**values, **extra)
+
+
+def read_key_file(path: str) -> str:
+    """The API key in `path` (its first line, white space stripped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"cannot read the API key file {path}: {e}") from None
+    if not key:
+        raise InvalidArgument(f"the API key file {path} is empty")
+    return key
 
 
 def render_env_file() -> str:

@@ -104,7 +104,7 @@ WatchdogSec={watchdog_sec}
 Restart=on-failure
 RestartSec=5s
 # Hardening. No PrivateDevices: GPU boards (Jetson) need their device nodes.
-NoNewPrivileges=yes
+{gpu}NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome=yes
 PrivateTmp=yes
@@ -128,6 +128,36 @@ WantedBy=multi-user.target
 """
 
 
+# The device nodes CUDA opens on a Jetson (L4T r35 = JetPack 5 and r36 = JetPack 6; the nvgpu driver's
+# /dev/nvhost-*-gpu names and their /dev/nvgpu/igpu0/ twins, nvmap, host1x's fence node, the DRM render
+# node), as NVIDIA's container runtime passes them to an L4T container. udev gives them to root:video
+# 0660 (the render node to root:render). systemd skips a node that does not exist on a release.
+JETSON_DEVICE_NODES = (
+    "/dev/nvmap", "/dev/nvhost-ctrl", "/dev/nvhost-ctrl-gpu", "/dev/nvhost-gpu", "/dev/nvhost-as-gpu",
+    "/dev/nvhost-tsg-gpu", "/dev/nvhost-dbg-gpu", "/dev/nvhost-prof-gpu", "/dev/nvhost-prof-ctx-gpu",
+    "/dev/nvhost-prof-dev-gpu", "/dev/nvhost-ctxsw-gpu", "/dev/nvhost-power-gpu", "/dev/nvhost-sched-gpu",
+    "/dev/nvhost-nvsched-gpu", "/dev/nvhost-nvsched_ctrl_fifo-gpu",
+    "/dev/nvgpu/igpu0/ctrl", "/dev/nvgpu/igpu0/as", "/dev/nvgpu/igpu0/channel", "/dev/nvgpu/igpu0/tsg",
+    "/dev/nvgpu/igpu0/dbg", "/dev/nvgpu/igpu0/prof", "/dev/nvgpu/igpu0/prof-ctx", "/dev/nvgpu/igpu0/prof-dev",
+    "/dev/nvgpu/igpu0/ctxsw", "/dev/nvgpu/igpu0/power", "/dev/nvgpu/igpu0/sched", "/dev/nvgpu/igpu0/nvsched",
+    "/dev/nvgpu/igpu0/nvsched_ctrl_fifo", "/dev/host1x-fence", "/dev/dri/renderD128",
+)
+GPU_GROUPS = ("video", "render")
+
+
+def gpu_section(profile) -> str:
+    """The unit lines that let DynamicUser's user reach a CUDA board's GPU ('' for other profiles)."""
+    if profile is None or profile.priors.compute != "cuda":
+        return ""
+    lines = [f"# GPU ({profile.name}): DynamicUser's user joins the groups that own the GPU device nodes, and",
+             "# the device cgroup allows only them (plus /dev/null, zero, full, random, urandom). Without",
+             "# them CUDA finds no device and llama.cpp runs the model on the CPU (edgerun warns, and",
+             "# EDGERUN_REQUIRE_GPU=1 makes it an error). install.sh creates a missing group.",
+             f"SupplementaryGroups={' '.join(GPU_GROUPS)}"]
+    lines += [f"DeviceAllow={node} rw" for node in JETSON_DEVICE_NODES]
+    return "\n".join(lines) + "\n"
+
+
 def default_exec_start(python: str | None = None) -> str:
     """`edgerun serve` for the installation that runs this code (the console script next to python)."""
     python = python or sys.executable
@@ -138,8 +168,9 @@ def default_exec_start(python: str | None = None) -> str:
 
 
 def render_unit(exec_start: str | None = None, *, env_file: str = DEFAULT_ENV_FILE,
-                watchdog_sec: int = DEFAULT_WATCHDOG_SEC) -> str:
-    """The systemd unit text. exec_start defaults to this installation's `edgerun serve`."""
+                watchdog_sec: int = DEFAULT_WATCHDOG_SEC, profile=None) -> str:
+    """The systemd unit text. exec_start defaults to this installation's `edgerun serve`. profile: a
+    DeviceProfile; a CUDA board's (Jetson) adds the GPU's groups and device nodes (gpu_section)."""
     if not isinstance(watchdog_sec, int) or watchdog_sec < 2:
         raise InvalidArgument(f"watchdog_sec must be an integer >= 2 seconds, got {watchdog_sec!r}")
     if not env_file.startswith("/"):
@@ -147,7 +178,8 @@ def render_unit(exec_start: str | None = None, *, env_file: str = DEFAULT_ENV_FI
     exec_start = exec_start or default_exec_start()
     if not exec_start.startswith("/"):
         raise InvalidArgument(f"ExecStart must begin with an absolute path, got {exec_start!r}")
-    return _UNIT.format(exec_start=exec_start, env_file=env_file, watchdog_sec=watchdog_sec)
+    return _UNIT.format(exec_start=exec_start, env_file=env_file, watchdog_sec=watchdog_sec,
+                        gpu=gpu_section(profile))
 
 
 def build_flags(profile: str = "auto") -> dict:

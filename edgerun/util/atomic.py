@@ -8,6 +8,7 @@ KeyboardInterrupt included, the temporary is removed: nothing that looks complet
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, StorageError
 
 _stop_signal: int | None = None     # the signal that asked this process to stop; sticky once set
 
@@ -109,18 +110,44 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = ".part", mode: int = 0
     dest.parent.mkdir(parents=True, exist_ok=True)
     if prefix is None:            # the writer's pid in the name: a later writer can tell a dead one's leftovers
         remove_stale(dest, suffix)
-    fd, name = tempfile.mkstemp(prefix=prefix or f".{dest.name}.{os.getpid()}.", suffix=suffix, dir=dest.parent)
+    with storage_errors(dest):
+        fd, name = tempfile.mkstemp(prefix=prefix or f".{dest.name}.{os.getpid()}.", suffix=suffix, dir=dest.parent)
     os.close(fd)
     tmp = Path(name)
     try:
-        yield tmp
-        raise_if_stopped()           # a stop whose first SystemExit was swallowed never commits a file
-        _fsync_file(tmp)
-        os.chmod(tmp, mode)          # mkstemp creates 0600; what edgerun writes is meant to be shared
-        os.replace(tmp, dest)
-        fsync_dir(dest.parent)
+        with storage_errors(dest, space_only=True):
+            yield tmp
+            raise_if_stopped()           # a stop whose first SystemExit was swallowed never commits a file
+            _fsync_file(tmp)
+            os.chmod(tmp, mode)          # mkstemp creates 0600; what edgerun writes is meant to be shared
+            os.replace(tmp, dest)
+            fsync_dir(dest.parent)
     finally:
         tmp.unlink(missing_ok=True)  # gone already after a successful rename
+
+
+@contextlib.contextmanager
+def storage_errors(dest: Path, *, space_only: bool = False) -> Iterator[None]:
+    """A failed write as a StorageError naming the place and, for a full disk, the space left.
+    space_only: only a full disk or quota (around a writer's own code, whose other OSErrors are its own)."""
+    try:
+        yield
+    except OSError as e:
+        where = dest.parent
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            free = None
+        # numpy's tofile reports a short write as an OSError without an errno ("N requested and M written")
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and free is not None and free < 2**20)
+        if space_only and not full:
+            raise
+        if full:
+            left = "free space unknown" if free is None else f"{free / 2**20:.1f} MiB free" if free >= 2**20 \
+                else f"{free // 1024} KiB free"
+            raise StorageError(f"no space left on the disk holding {where} ({left}) while writing {dest.name}; "
+                               "free some space or write somewhere else (nothing was left behind)") from None
+        raise StorageError(f"cannot write {dest}: {e.strerror or e}") from None
 
 
 def write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o644) -> None:
@@ -141,15 +168,17 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         raise InvalidArgument(f"{dest} exists and is not a directory; expected a new or empty directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(dest, ".tmpdir")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmpdir", dir=dest.parent))
+    with storage_errors(dest):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmpdir", dir=dest.parent))
     try:
-        yield tmp
-        raise_if_stopped()
-        for f in tmp.iterdir():
-            if f.is_file():
-                _fsync_file(f)
-        fsync_dir(tmp)
-        _replace_dir(tmp, dest)
+        with storage_errors(dest / "x", space_only=True):
+            yield tmp
+            raise_if_stopped()
+            for f in tmp.iterdir():
+                if f.is_file():
+                    _fsync_file(f)
+            fsync_dir(tmp)
+            _replace_dir(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -97,3 +98,38 @@ def collapse_new_memory(before: dict[int, tuple[int, bool]], what: str, kind: st
     elif err:
         log.debug("%s: MADV_COLLAPSE failed (%s); %s stays on small pages", what, os.strerror(err), kind)
     return done
+
+
+class Pending:
+    """The memory a load added, collapsed later: off the path to the first token. `start()` collapses it on a
+    thread of its own (once; later calls do nothing), `settle()` on this thread and returns the bytes. A
+    one-shot command that ends before the thread is done loses nothing but the thread's work."""
+
+    def __init__(self, before: dict[int, tuple[int, bool]], what: str, kind: str) -> None:
+        self._args = (before, what, kind)
+        self._lock = threading.Lock()
+        self._started = False
+        self._finished = threading.Event()
+        self.done = 0
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._run, name="edgerun-hugepages", daemon=True).start()
+
+    def settle(self, timeout: float | None = None) -> int:
+        with self._lock:
+            run_here = not self._started
+            self._started = True
+        if run_here:
+            self._run()
+        self._finished.wait(timeout)
+        return self.done
+
+    def _run(self) -> None:
+        try:
+            self.done = collapse_new_memory(*self._args)
+        finally:
+            self._finished.set()
