@@ -176,7 +176,8 @@ run "$new/bin/python" -c 'import edgerun, llama_cpp; print("==> edgerun", edgeru
 # the unit, rendered by the new version (its ExecStart goes through the PREFIX/venv link)
 unit_text=""
 if [ "$dry" = 0 ]; then
-    unit_text="$("$new/bin/edgerun" service print --env-file "$etc_dir/edgerun.env" --exec-start "$prefix/venv/bin/edgerun serve")"
+    unit_text="$("$new/bin/edgerun" service print --env-file "$etc_dir/edgerun.env" \
+        --exec-start "$prefix/venv/bin/edgerun serve" --profile "$profile")"
 fi
 trap - ERR
 
@@ -219,10 +220,17 @@ else
     write_file "$etc_dir/edgerun.env" 0644 <"$here/deploy/edgerun.env"
 fi
 if [ "$dry" = 1 ]; then
-    say "the unit: \`$prefix/venv/bin/edgerun service print --env-file $etc_dir/edgerun.env\` > $unit_dir/edgerun.service"
+    say "the unit: \`$prefix/venv/bin/edgerun service print --env-file $etc_dir/edgerun.env --profile $profile\` > $unit_dir/edgerun.service"
 else
     printf '%s\n' "$unit_text" | write_file "$unit_dir/edgerun.service" 0644
 fi
+case "$profile" in
+    jetson-*)   # the unit names SupplementaryGroups=video render (the GPU's device nodes): systemd refuses a
+                # unit whose group does not exist, so create a missing one (as deploy/install.sh does)
+        for g in video render; do
+            if ! getent group "$g" >/dev/null; then run groupadd --system "$g"; fi
+        done ;;
+esac
 if [ "$cache_dir" != /var/cache/edgerun ]; then
     say "note: the unit's EDGERUN_HOME is /var/cache/edgerun; set EDGERUN_HOME=$cache_dir in $etc_dir/edgerun.env to use this one"
 fi

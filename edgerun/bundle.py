@@ -454,7 +454,8 @@ def make_bundle(spec: BundleSpec, *, progress: Progress | None = None, say: Say 
 def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: str | None, root: Path,
           pin: str, llama: Path, reuse: dict[str, Path], progress: Progress | None,
           say: Say | None) -> dict:
-    from .serve.systemd import installed_unit_text
+    from .device.profiles import load_profile
+    from .serve.systemd import DEFAULT_PREFIX, render_unit
 
     d.chmod(0o755)                       # a temporary folder is 0700; the bundle is meant to be read
     wheels = d / "wheels"
@@ -485,7 +486,8 @@ def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: s
         raise_if_stopped()
 
     (d / "deploy").mkdir()
-    (d / "deploy" / "edgerun.service").write_text(installed_unit_text())
+    (d / "deploy" / "edgerun.service").write_text(        # as install.sh renders it for the default prefix
+        render_unit(f"{DEFAULT_PREFIX}/venv/bin/edgerun serve", profile=load_profile(target.profile)))
     (d / "deploy" / "edgerun.env").write_text(
         env_file_text((root / "deploy" / "edgerun.env").read_text(), models[0], draft, target.profile))
     installer = d / "install.sh"

@@ -118,6 +118,7 @@ def test_offline_install_then_generate_from_the_installed_venv(installed):
     assert venv.is_symlink() and Path(os.readlink(venv)).parent == root / "opt" / "venvs"
     unit = (root / "units" / "edgerun.service").read_text()
     assert f"ExecStart={venv}/bin/edgerun serve" in unit and f"EnvironmentFile={root}/etc/edgerun.env" in unit
+    assert "SupplementaryGroups" not in unit          # the x86 CPU profile's unit: no GPU section
     model = root / "opt" / "models" / f"{MODEL}.gguf"
     assert oct(model.stat().st_mode & 0o777) == "0o644"
     assert (root / "cache" / "models" / f"{MODEL}.gguf").resolve() == model
@@ -254,6 +255,7 @@ def test_dry_run_checks_and_verifies_then_prints_the_plan_and_changes_nothing(bu
     r = _install(bundle, root, "--dry-run", netns=False)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "verified" in r.stdout and "pip install --no-index" in r.stdout and "mv -T" in r.stdout
+    assert "--profile generic-x86_64-cpu" in r.stdout              # the unit is rendered for the bundle's board
     assert not root.exists()
 
 
