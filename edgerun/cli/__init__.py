@@ -25,6 +25,7 @@ COMMANDS = {
     "quantize": ("make", "quantize"), "eval": ("make", "eval_group"), "export": ("make", "export_group"),
     "convert": ("make", "convert_cmd"),
     "worker": ("cluster", "worker"), "cluster": ("cluster", "cluster_group"),
+    "bundle": ("bundle", "bundle_command"),
 }
 
 
