@@ -104,6 +104,11 @@ def test_status_page_files_and_no_ui(tiny_llama, tmp_path):
                                                                      "max_tokens": 5}).raise_for_status()
         s = httpx.get(srv.url + "/status", headers=AUTH).json()
         assert s["speed"]["generations"] == 1 and s["speed"]["tokens_per_s"] > 0
+        # the page's own calls carry its Origin (same-origin: allowed); another page's are refused
+        body = {"model": str(tiny_llama), "prompt": "a", "max_tokens": 2}
+        assert httpx.post(srv.url + "/v1/completions", headers={**AUTH, "Origin": srv.url}, json=body).status_code == 200
+        r = httpx.post(srv.url + "/v1/completions", headers={**AUTH, "Origin": "http://localhost:1"}, json=body)
+        assert r.status_code == 403
     finally:
         assert srv.terminate() == 0, srv.output
     srv = ServerProcess(["--model", tiny_llama, *TINY_ARGS, "--no-ui"], env=clean_env(tmp_path))
@@ -136,7 +141,7 @@ def test_the_page_travels_in_the_sdist_and_the_wheel_built_from_it(tmp_path):
 def server():
     r = CliRunner().invoke(main, ["pull", MODEL])
     assert r.exit_code == 0, r.output
-    srv = ServerProcess(["--model", MODEL, "--no-pull", "--draft", "lookup", "--threads", "2", "--ctx", "2048",
+    srv = ServerProcess(["--model", MODEL, "--no-pull", "--draft", "lookup", "--threads", "1", "--ctx", "2048",
                          "--api-key", KEY], env=clean_env(cache_dir()))
     srv.wait_ready(timeout=120)
     yield srv
