@@ -3,6 +3,7 @@
 #   systemd-analyze (Debian package 'systemd') for `systemd-analyze verify` of the unit files;
 #   nginx (Debian package 'nginx-light') for the replicas behind deploy/nginx-edgerun.conf;
 #   sshd (Debian package 'openssh-server') for the RPC worker reached through a restricted SSH tunnel.
+#   chromium and chromedriver (Debian packages 'chromium', 'chromium-driver') for the browser test of the page at /.
 # Without them those tests skip and say why. Needs root (or sudo) and apt; does nothing otherwise.
 set -euo pipefail
 
@@ -10,8 +11,10 @@ want=()
 command -v systemd-analyze >/dev/null || want+=(systemd)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || want+=(nginx-light)
 command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || want+=(openssh-server)
+command -v chromium >/dev/null || want+=(chromium)
+command -v chromedriver >/dev/null || want+=(chromium-driver)
 if [ ${#want[@]} = 0 ]; then
-    echo "ci-deps: systemd-analyze, nginx and sshd present"
+    echo "ci-deps: systemd-analyze, nginx, sshd, chromium and chromedriver present"
     exit 0
 fi
 if ! command -v apt-get >/dev/null; then
@@ -31,3 +34,5 @@ DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recomme
 command -v systemd-analyze
 command -v nginx || ls /usr/sbin/nginx
 command -v sshd || ls /usr/sbin/sshd
+command -v chromium
+command -v chromedriver

@@ -74,6 +74,7 @@ class _State:
         self.bound: tuple[str, int] | None = None     # where the watchdog's self-probe connects (run.py sets it)
         self.integrity: dict[str, str] = {}      # registry model -> checking | ok | corrupt (pinned sha256)
         self.lost_worker: str | None = None      # set when an RPC worker of a split model is gone (fatal)
+        self.open_paths: set[str] = {"/health"}  # answered without the API key (ui.py adds the page's files)
 
     @property
     def model_id(self) -> str:
@@ -262,11 +263,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         reject_unsupported(req)
         if not req.messages:
             raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
-        n_ctx = getattr(state.scheduler.runtime, "n_ctx", None)
-        if n_ctx and len(req.messages) > n_ctx:      # every turn takes a token at least: refuse before rendering
-            raise APIError(400, f"the conversation has {len(req.messages)} messages, more than the {n_ctx} tokens "
-                                "the context holds (every message takes at least one)", param="messages",
-                           code="context_length_exceeded")
+        check_turns(state, len(req.messages))
         messages = [chat_message(m) for m in req.messages]
         _check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
         mt = max_tokens_from(req.max_tokens, "max_tokens")
@@ -310,24 +307,10 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         # the loop is woken for a streamed token at most once per --stream-interval (the tokens between
         # go out together); an answer that is not streamed needs only the end
         job.events.hold_s = config.stream_interval_ms / 1000 if req.stream else math.inf
-        try:
-            state.scheduler.submit(job)
-        except ClientBusy as e:
-            raise APIError(429, str(e), code="too_many_requests",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        except QueueFull as e:
-            raise APIError(503, str(e), type="server_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        except Unavailable as e:
-            raise APIError(503, str(e), type="server_error", code="unavailable",
-                           headers={"Retry-After": str(e.retry_after or 5)}) from None
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, state.scheduler, job))
+        first, watcher = await start_job(state, request, job, chat=chat)
         handed_over = False
         try:
-            first = await _next_event(state, job)
-            if first[0] == "end" and (not first[1].started or first[1].outcome in FAILED):
-                raise error_from_result(first[1], config.timeout_s, chat)   # nothing sent yet: a plain error
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 handed_over = True            # _sse now owns the job and the disconnect watcher
@@ -346,17 +329,51 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             return _full_response(state, ident, chat, "".join(texts), res, tools)
         finally:
             if not handed_over:
-                watcher.cancel()
-                job.events.close()
-                if not job.finished:
-                    state.scheduler.cancel(job)
+                release_job(state, job, watcher)
 
+    from . import ollama, ui            # Ollama's API (/api/*), the page at / and its /status
+    ollama.install(app, state)
+    ui.install(app, state)
     return app
 
 
 def _gpu_dict(runtime) -> dict | None:
     gpu = getattr(runtime, "gpu", None)
     return gpu.to_dict() if gpu is not None else None
+
+
+async def start_job(state: _State, request: Request, job: Job, *, chat: bool) -> tuple[tuple[str, Any], asyncio.Task]:
+    """Queue a job (503 when the queue is full or the model is not ready), watch its client, and wait for its
+    first event; a job that ends before any token raises its error. Returns (first event, disconnect watcher);
+    the caller hands both to its answer or calls release_job. Shared by the OpenAI and Ollama routes."""
+    try:
+        state.scheduler.submit(job)
+    except ClientBusy as e:
+        raise APIError(429, str(e), code="too_many_requests",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+    except QueueFull as e:
+        raise APIError(503, str(e), type="server_error", code="queue_full",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+    except Unavailable as e:
+        raise APIError(503, str(e), type="server_error", code="unavailable",
+                       headers={"Retry-After": str(e.retry_after or 5)}) from None
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.scheduler, job))
+    try:
+        first = await _next_event(state, job)
+        if first[0] == "end" and (not first[1].started or first[1].outcome in FAILED):
+            raise error_from_result(first[1], state.config.timeout_s, chat)   # nothing sent yet: a plain error
+    except BaseException:
+        release_job(state, job, watcher)
+        raise
+    return first, watcher
+
+
+def release_job(state: _State, job: Job, watcher: asyncio.Task) -> None:
+    """Stop watching a job's client and cancel the job unless it has ended."""
+    watcher.cancel()
+    job.events.close()
+    if not job.finished:
+        state.scheduler.cancel(job)
 
 
 def default_loader(config: ServerConfig) -> Callable[[], Any]:
@@ -435,7 +452,7 @@ class _Gate:
                 await Response(status_code=204)(scope, receive, counting_send)
                 return
         key = config.api_key
-        if key is not None and path != "/health" and not _authorized(scope, key):
+        if key is not None and path not in self.state.open_paths and not _authorized(scope, key):
             err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             await JSONResponse(err.body(), status_code=401, headers=err.headers)(scope, receive, counting_send)
@@ -444,6 +461,16 @@ class _Gate:
 
 
 
+
+
+def check_turns(state: _State, n_messages: int) -> None:
+    """Every turn takes a token at least: more messages than the context has positions are refused before
+    the chat template renders them (10,001 turns cost the worker 1.4 s)."""
+    n_ctx = getattr(state.scheduler.runtime, "n_ctx", None)
+    if n_ctx and n_messages > n_ctx:
+        raise APIError(400, f"the conversation has {n_messages} messages, more than the {n_ctx} tokens the context "
+                            "holds (every message takes at least one)", param="messages",
+                       code="context_length_exceeded")
 
 
 async def _vet(state: _State, structure: dict) -> None:
@@ -487,7 +514,10 @@ def _browser_refusal(config, headers: dict) -> APIError | None:
             return APIError(403, f"Host {name!r:.60} is not this server's name (a web page using DNS rebinding?); "
                                  "allow it with --allow-host / EDGERUN_ALLOW_HOST", code="host_not_allowed")
     origin = headers.get(b"origin", b"").decode("latin-1").strip()
-    if origin and origin not in config.cors_origins and "*" not in config.cors_origins:
+    # the server's own page (ui.py) is same-origin: its Host passed the check above, or the API key guards it
+    own = origin.lower() == "http://" + headers.get(b"host", b"").decode("latin-1").strip().lower() and \
+        (is_loopback(config.host) or config.api_key is not None)
+    if origin and not own and origin not in config.cors_origins and "*" not in config.cors_origins:
         return APIError(403, f"requests from the web page at {origin!r:.80} are not allowed; allow its origin with "
                              "--cors-origin / EDGERUN_CORS_ORIGIN", code="origin_not_allowed")
     return None

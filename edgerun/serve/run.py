@@ -183,6 +183,13 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
     if the model fails to load, BindError if the socket cannot be bound."""
     sock = bind_socket(config.host, config.port)
     host, port = sock.getsockname()[:2]
+    sockets = [sock]
+    if config.ollama_port is not None:           # a second port for Ollama's clients (same app)
+        try:
+            sockets.append(bind_socket(config.host, config.ollama_port))
+        except BindError:
+            sock.close()
+            raise
     holder: dict = {}
     app = create_app(config, load=load, request_exit=lambda: setattr(holder["server"], "should_exit", True))
     state: _State = app.state.edgerun
@@ -206,10 +213,14 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
                     "can use the model", host)
     log.info("listening on http://%s:%d (model %s loads in the background)",
              f"[{host}]" if ":" in host else host, port, config.model)
+    if config.ollama_port is not None:
+        log.info("listening for Ollama's clients on http://%s:%d too", f"[{host}]" if ":" in host else host,
+                 config.ollama_port)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
     finally:
-        sock.close()
+        for s in sockets:
+            s.close()
     if state.lost_worker is not None:
         raise ClusterError(state.lost_worker)
     err = state.scheduler.load_error

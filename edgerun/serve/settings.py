@@ -50,11 +50,17 @@ class ServerConfig:
     rpc: tuple[str, ...] = ()            # RPC workers the target is split over (HOST:PORT)
     tensor_split: tuple = ()             # their shares (+ optionally the head's, last)
     require_gpu: bool = False            # refuse to serve unless the target's layers are all on a GPU
+    ollama_port: int | None = None       # a second port for Ollama's clients (their default: 11434); None: none
+    allow_pull: bool = False             # Ollama's /api/pull may download registry models to the cache
+    ui: bool = True                      # the chat and status page at /
     load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be an integer in 0..65535, got {self.port!r}")
+        if self.ollama_port is not None and not (isinstance(self.ollama_port, int) and 1 <= self.ollama_port <= 65535
+                                                 and self.ollama_port != self.port):
+            raise InvalidArgument(f"ollama port must be an integer in 1..65535 other than --port, got {self.ollama_port!r}")
         if self.parallel is not None and not (isinstance(self.parallel, int) and 1 <= self.parallel <= 64):
             raise InvalidArgument(f"parallel must be an integer in 1..64 (generations at once), got {self.parallel!r}")
         if not isinstance(self.prompt_cache_mib, int) or self.prompt_cache_mib < 0:
@@ -256,6 +262,18 @@ SETTINGS: tuple[Setting, ...] = (
             is_flag=True, env_example="1",
             env_doc=("", "GPU boards: fail at start instead of serving on the CPU when the model's layers did not",
                      "land on the GPU (a llama.cpp without CUDA, an unreachable device). docs/devices.md")),
+    Setting("ollama_port", ("--ollama-port",), "EDGERUN_OLLAMA_PORT",
+            "Also listen on this port (same --host, same API): Ollama's clients default to 11434. Ollama's API "
+            "(/api/chat, /api/generate, ...) answers on --port as well.", type=click.IntRange(1, 65535),
+            env_example="11434",
+            env_doc=("", "Clients (docs/clients.md): Ollama's API answers beside OpenAI's; uncomment to listen on",
+                     "Ollama's default port as well. /api/pull downloads registry models only with",
+                     "EDGERUN_ALLOW_PULL=1. EDGERUN_NO_UI=1 turns off the chat and status page at /.")),
+    Setting("allow_pull", ("--allow-pull",), "EDGERUN_ALLOW_PULL",
+            "Let Ollama's /api/pull download registry models into the cache (refused otherwise: it writes to disk).",
+            is_flag=True, env_example="1"),
+    Setting("no_ui", ("--no-ui",), "EDGERUN_NO_UI", "Serve no chat and status page at /.", is_flag=True,
+            env_example="1", field="ui", to_config=lambda no: not no),
 )
 
 
