@@ -58,7 +58,7 @@ def rt(pulled):
 def oai(pulled):
     srv = ServerProcess(["--model", MODEL, "--no-pull", "--draft", "lookup", "--threads", "2", "--ctx", "1024",
                          "--api-key", KEY], env=clean_env(cache_dir()))
-    srv.wait_ready(timeout=120)
+    srv.wait_ready(timeout=300)        # the first start measures the cost curve (cached after)
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     assert srv.terminate() == 0, srv.output
 
