@@ -288,11 +288,11 @@ class Runtime:
     def slots(self) -> list["Runtime"]:
         """One Runtime per sequence of a multi-sequence target (load(parallel=N)), sharing one BatchGroup:
         run one generation on each from its own thread and their steps are evaluated together
-        (edgerun/backends/batch.py). Each has its own view of the caches, drafter state and gamma policy;
+        (edgerun/engine/batch.py). Each has its own view of the caches, drafter state and gamma policy;
         closing one closes nothing shared (close this Runtime for that)."""
         import copy
 
-        from .backends.batch import BatchGroup
+        from .engine.batch import BatchGroup
         from .speculative.drafters import ModelDrafter
 
         n = self.parallel
@@ -444,7 +444,7 @@ class TokenStream:
     of its own: BatchGroup.drive). run(on_step) calls on_step(step) for each Step until it returns False or
     the generation ends; in a batching group a loop that runs beside others runs on the engine thread,
     which steps every such member itself (BatchGroup.run, the server's slots), so on_step must be quick
-    there (wrap a wait in backends.batch.blocking). Either way closing or stopping it rolls the caches back to what was
+    there (wrap a wait in engine.blocking). Either way closing or stopping it rolls the caches back to what was
     committed. A stream runs once."""
 
     def __init__(self, runtime: Runtime, args: tuple) -> None:

@@ -42,7 +42,7 @@ class Backend(Protocol):
 
     # Optional: begin_eval(tokens, n_logits=None) -> a function waiting for eval()'s logits, or None where
     # the backend cannot evaluate in the background now (then eval). The decode loop uses it for plain
-    # decoding (backends/batch.py's SeqBackend: a lone sequence of a batching group).
+    # decoding (engine/sequence.py's SeqBackend: a lone sequence of a batching group).
 
 
 def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) -> tuple[list[int], int]:

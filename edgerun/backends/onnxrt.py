@@ -30,7 +30,8 @@ from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument, ModelFormatError
 from ..onnx.layout import LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value, read_config
 from ..tokenizer import Tokenizer
-from ..util import handoff, hugepages
+from ..engine import handoff
+from ..util import hugepages
 
 log = logging.getLogger(__name__)
 

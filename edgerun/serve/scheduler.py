@@ -6,9 +6,9 @@ parallel N (continuous batching) it runs N slot threads, one per sequence of the
 (Runtime.slots): a free slot takes the oldest waiting job as soon as its previous one ends (and passes
 it to the free slot that keeps the busy sequence ids packed, copying in the cache of a free slot that holds
 a longer prefix of its prompt), and the slots' decode steps are
-evaluated together (edgerun/backends/batch.py). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
+evaluated together (edgerun/engine/). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
 back to the asyncio event loop that submitted it (a step as the engine next enters native code:
-util/handoff.py). A job stops early when it is cancelled (client
+engine/handoff.py). A job stops early when it is cancelled (client
 gone), when its deadline passes, or when the server drains for shutdown; stopping closes the
 Runtime's stream, whose `finally` rolls the KV caches back to the committed tokens.
 """
@@ -25,18 +25,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Sequence
 
-from ..backends.base import common_prefix
 from ..errors import EdgerunError, InvalidArgument
 from ..generate import GenStats
-from ..util import handoff
+from ..engine import handoff
+from ..engine.packing import SeqPacking
 from .promptcache import MIN_GAIN
 
 log = logging.getLogger(__name__)
-
-
-def _runs(ids: set[int]) -> int:
-    """Runs of consecutive integers in ids: {0, 1, 3} -> 2."""
-    return sum(1 for i in ids if i - 1 not in ids)
 
 
 class QueueFull(EdgerunError):
@@ -223,7 +218,7 @@ class Job:
 
     def _emit(self, kind: str, payload: Any) -> None:
         """Hand an event to the job's event loop. A step goes when the engine next enters native code
-        (util/handoff.py: the event loop's Python per token then runs beside the evaluation, not between
+        (engine/handoff.py: the event loop's Python per token then runs beside the evaluation, not between
         two); the end goes at once, after every step deferred before it."""
         if kind == "step":
             handoff.defer(partial(self._post, kind, payload))
@@ -266,7 +261,7 @@ class Scheduler:
         self._dispatch = threading.Lock()           # held by the slot taking and placing a job
         self._handoff: dict[int, tuple] = {}        # slot -> (job, prepared prompt) another slot passed it
         self._mean_job_s = 5.0                      # running mean of job durations, for Retry-After
-        self.n_moved = 0                            # caches copied to the slot a job was placed on
+        self.packing = SeqPacking()                 # the slots' sequence ids, kept packed (set up with them)
         self.runtime: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -433,6 +428,7 @@ class Scheduler:
             return
         self.n_slots = len(slots)
         self.slots = slots
+        self.packing = SeqPacking(slots, self.prompt_cache, MIN_GAIN)
         self._idle = set(range(len(slots)))
         self.runtime = runtime
         self.ready.set()
@@ -519,91 +515,36 @@ class Scheduler:
         return prompt_tokens, constraint
 
     def _affinity(self, slot: int, runtime: Any, job: Job) -> tuple[int, Any]:
-        """(the slot to run the job on, its prepared prompt or None). Called with the dispatch lock held.
-
-        Of this slot and the free ones, the one that keeps the busy sequence ids packed (fewest runs of
-        consecutive ids; the lowest on ties): llama.cpp cuts a batch of per-sequence KV streams at every gap
-        in the ids, so busy slots 0 and 2 cost two passes over the weights (or a filler row) where 0 and 1
-        cost one. If another free slot's cache holds a longer prefix of the prompt (a conversation's next
-        turn finds its history), that cache is copied into the chosen slot first (a per-sequence state copy,
-        ~1 ms per 100 positions) instead of running the job where the prefix happens to be."""
+        """(the slot to run the job on, its prepared prompt or None). Called with the dispatch lock held:
+        of this slot and the free ones, the one the packing picks (engine/packing.py), with the prompt's
+        longest cached prefix copied in; another slot than this one gets the job handed over."""
         if len(self.slots) == 1:
             return slot, None
         try:
             prepared = self._prepare(runtime, job)
         except Exception:                    # bad input: _run reports it
             return slot, None
-        prompt = prepared[0]
-        seq = self._seq_id
         with self._cond:
             free = sorted(self._idle | {slot})
-            busy = {seq(i) for i in range(len(self.slots)) if i not in free}
-            best = min(free, key=lambda i: (_runs(busy | {seq(i)}), seq(i)))
+            best = self.packing.best_slot(free)
             if best != slot:
                 self._idle.discard(best)
-        have = {i: common_prefix(self.slots[i].target.tokens, prompt) for i in free}
-        holder = max(free, key=lambda i: (have[i], i == best))
-        if have[holder] >= have[best] + MIN_GAIN:        # a copy must save what a restore must
-            self._move_prefix(holder, best, have[best])
+        self.packing.bring_prefix(free, best, prepared[0])
         if best != slot:
             with self._cond:
                 self._handoff[best] = (job, prepared)
                 self._cond.notify_all()
         return best, prepared
 
-    def _seq_id(self, slot: int) -> int:
-        """The sequence id slot `slot` runs on now (its target view's; _compact changes it)."""
-        return getattr(self.slots[slot].target, "seq", slot)
-
     def _compact(self, group: Any) -> None:
-        """Close the gaps a finished job left in the busy sequence ids: move the highest busy sequence into
-        the idle id that packs the busy ones best (BatchGroup.move, at the running sequences' next step).
-        With one KV stream per sequence llama.cpp evaluates busy ids 0 and 2 in two passes over the weights,
-        0 and 1 in one (docs/batching.md has the cost). The idle slot's own cache goes to the prompt cache
-        first when a restore would pay; a sequence that is still being placed (not joined) is not moved. Not
-        while jobs wait: the freed slot takes one at once (a move would hold its admission for a step), and
-        the packing of _affinity places it; a job that comes while a move waits for its step cancels it
-        (submit), and a move whose sequence ends meanwhile ends with it (BatchGroup.move)."""
-        seq = self._seq_id
-        with self._dispatch:
-            for _ in range(len(self.slots)):
-                with self._cond:
-                    if self._waiting or self._handoff:
-                        return          # the free slot takes a job at once: a move would only delay it
-                    idle = set(self._idle)
-                busy = [i for i in range(len(self.slots)) if i not in idle]
-                ids = {seq(i) for i in busy}
-                if not idle or _runs(ids) <= 1:
-                    return
-                src = max(busy, key=seq)
-                rest = ids - {seq(src)}
-                dst = min((i for i in idle if seq(i) < seq(src)), key=lambda i: (_runs(rest | {seq(i)}), seq(i)),
-                          default=None)
-                if dst is None or _runs(rest | {seq(dst)}) >= _runs(ids):
-                    return
-                to = self.slots[dst].target
-                if self.prompt_cache is not None and len(to.tokens) >= MIN_GAIN:
-                    try:
-                        self.prompt_cache.put(to.save_state())
-                    except EdgerunError as e:
-                        log.warning("saving slot %d's cache before moving a sequence there: %s", dst, e)
-                # at the next step: a few steps' time at most (then the gap stays until the next job ends)
-                step_s = group.eval_s / group.n_steps if group.n_steps else 0.1
-                if not group.move(self.slots[src].batch_views(), self.slots[dst].batch_views(),
-                                  timeout_s=min(2.0, max(0.1, 3 * step_s))):
-                    return
+        """Close the gaps a finished job left in the busy sequence ids (SeqPacking.compact), not while jobs
+        wait; no slot places a job meanwhile."""
+        def idle_now() -> "set[int] | None":
+            with self._cond:
+                return None if self._waiting or self._handoff else set(self._idle)
 
-    def _move_prefix(self, src: int, dst: int, dst_kept: int) -> None:
-        """Copy free slot src's cache into free slot dst (dst's own, if it would be lost, into the prompt
-        cache first). A failure is logged: the job then evaluates its prompt."""
-        to, frm = self.slots[dst].target, self.slots[src].target
-        try:
-            if self.prompt_cache is not None and len(to.tokens) - dst_kept >= MIN_GAIN:
-                self.prompt_cache.put(to.save_state())
-            to.restore_state(frm.save_state())
-            self.n_moved += 1
-        except EdgerunError as e:
-            log.warning("copying slot %d's cache to slot %d: %s; evaluating the prompt instead", src, dst, e)
+        with self._dispatch:
+            self.packing.compact(group, idle_now)
 
     def _run(self, runtime: Any, job: Job, slot: int = 0, prepared: Any = None) -> JobResult:
         now = time.monotonic()
