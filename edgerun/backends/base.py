@@ -45,6 +45,22 @@ class Backend(Protocol):
     # decoding (engine/sequence.py's SeqBackend: a lone sequence of a batching group).
 
 
+class CachedTokens:
+    """The Backend protocol's derived attributes, shared by the engines: `tokens` mirrors the cache, and the
+    vocabulary is the tokenizer's."""
+
+    tokens: list[int]
+    tokenizer: "object"
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        return self.tokenizer.vocab_fingerprint
+
+
 def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) -> tuple[list[int], int]:
     """The argument checks every backend's eval makes. Returns (tokens as ints, k logits rows to return).
     Called once a token on a lone client's path: keep it lean (no import here, ~30 µs a call right after an

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import check_eval
+from .base import CachedTokens, check_eval
 from .gapfill import GapChooser
 from .. import llama_lib
 from ..config import BackendArgs
@@ -51,7 +51,7 @@ def default_threads() -> int:
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
-class LlamaCppBackend:
+class LlamaCppBackend(CachedTokens):
     """One GGUF model + its context (KV cache) in llama.cpp."""
 
     def __init__(self, path: str | Path, args: BackendArgs | None = None, cluster=None) -> None:
@@ -110,14 +110,6 @@ class LlamaCppBackend:
         self._logits_views: dict[tuple[int, int], np.ndarray] = {}    # (address, rows) -> a view of llama.cpp's logits
 
     # -- Backend protocol ---------------------------------------------------------------------
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def vocab_fingerprint(self) -> str:
-        return self.tokenizer.vocab_fingerprint
-
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
         tokens, k = check_eval(self, tokens, n_logits)
         return self.eval_rows([(0, tokens, k)])[0]
