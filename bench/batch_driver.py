@@ -50,10 +50,9 @@ def main() -> None:
 
     import edgerun
     from edgerun import llama_lib
-    from edgerun.backends import llamacpp
-    from edgerun.backends.batch import SeqBackend
+    from edgerun.engine import SeqBackend, on_engine
     from edgerun.generate import generate
-    from edgerun.util.handoff import defer, flush
+    from edgerun.engine.handoff import defer, flush
 
     L = llama_lib.lib()
     raw = L.llama_decode
@@ -133,7 +132,7 @@ def main() -> None:
                 ready = [(g, (out,)) for (g, _), out in zip(posted, outs)]
             flush()
 
-        llamacpp.on_engine(step_all)
+        on_engine(step_all)
 
     ways = {"threads": threads_way, "one thread": one_thread_way}
     res: dict[str, list] = {k: [] for k in ways}

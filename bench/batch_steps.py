@@ -103,7 +103,7 @@ def main() -> None:
         b.eval_rows = originals[id(b)]
     rng = np.random.default_rng(0)
     alone = {}
-    # (eval_rows of a multi-sequence context always runs on the engine thread: llamacpp.on_engine)
+    # (eval_rows of a multi-sequence context always runs on the engine thread: engine/thread.py on_engine)
     for where in ("once", "again"):
         for s in range(a.slots):
             be.truncate_seq(s, 0)

@@ -48,14 +48,17 @@ def child(src: str, model: str, tokens: int, threads: int, parallel: int, repeat
     import edgerun
     from edgerun import llama_lib
 
-    try:                                       # trees before util/handoff.py hand each Step over at once
-        from edgerun.util.handoff import defer, flush
+    try:                                       # trees before engine/ kept the hand-offs in util/
+        from edgerun.engine.handoff import defer, flush
     except ImportError:
-        def defer(fn):
-            fn()
+        try:
+            from edgerun.util.handoff import defer, flush
+        except ImportError:                    # trees before the hand-offs hand each Step over at once
+            def defer(fn):
+                fn()
 
-        def flush():
-            pass
+            def flush():
+                pass
 
     L = llama_lib.lib()
     raw = L.llama_decode

@@ -1,4 +1,4 @@
-"""Decode speed on one thread while another thread's OpenMP team is alive (the reason for llamacpp.on_engine).
+"""Decode speed on one thread while another thread's OpenMP team is alive (the reason for engine/thread.py on_engine).
 
 llama.cpp's CPU backend runs each call on an OpenMP team of the calling thread; the team lives as long as
 that thread. This times greedy one-token decode steps of one context on this thread three ways, in order:

@@ -22,7 +22,7 @@ from .quant import pipeline
 from .registry import fetch
 from .registry.cache import cached_path, is_cached
 from .registry.fetch import Progress
-from .registry import hub
+from .registry import hub, hub_download
 from .registry.manifest import (Manifest, default_draft_for, get_manifest, load_manifests, split_name,
                                 unknown_message)
 
@@ -154,7 +154,7 @@ def hub_model(spec: str, *, pull: bool = True, progress: Progress | None = None,
         if not pull:
             how = "run it without --no-pull" if accept_float else f"run `edgerun pull {name}` first"
             raise ModelNotFound(f"{name} is not in the cache; {how}, on a machine that reaches the hub "
-                                f"({hub.endpoint()}); {hub.describe_cached(name.repo_id)}")
+                                f"({hub_download.endpoint()}); {hub.describe_cached(name.repo_id)}")
         pick = pull_hub(name, progress, accept_float=accept_float)
     if pick.kind == "float":
         if not accept_float:
@@ -177,10 +177,10 @@ def pull_hub(name: str | hub.HubName, progress: Progress | None = None, *, verif
             return old
         log.warning("%s: %s changed on disk since it was pulled; fetching it again", name, ", ".join(bad))
         hub.forget(old, bad)
-    plan = hub.plan(name, accept_float=accept_float, progress=progress)
+    plan = hub_download.plan(name, accept_float=accept_float, progress=progress)
     if plan.kind in ("int4", "float"):
         _check_checkpoint_arch(name, plan.config)
-    pick = hub.download(plan, progress=progress, force=force)
+    pick = hub_download.download(plan, progress=progress, force=force)
     if pick.kind != "float":
         ready_path(pick)
     return hub.cached(name) or pick

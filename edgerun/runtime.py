@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -10,13 +11,19 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .backends import model_memory, open_backend
+from .cluster.head import plan as cluster_plan
 from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
 from .constrain.base import Constraint
 from .constrain.grammar import compile_constraint, grammar_from_options, vet_grammar
 from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
     special_tag_ids, tool_grammar
+from .device import gpu as gpu_check
+from .device.detect import resolve as resolve_profile
+from .device.memory import check_memory_fit
+from .engine.batch import BatchGroup
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
+from .speculative.drafters import ModelDrafter, make_drafter
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .speculative.tuner_store import TunerStore, regime
 
@@ -288,13 +295,8 @@ class Runtime:
     def slots(self) -> list["Runtime"]:
         """One Runtime per sequence of a multi-sequence target (load(parallel=N)), sharing one BatchGroup:
         run one generation on each from its own thread and their steps are evaluated together
-        (edgerun/backends/batch.py). Each has its own view of the caches, drafter state and gamma policy;
+        (edgerun/engine/batch.py). Each has its own view of the caches, drafter state and gamma policy;
         closing one closes nothing shared (close this Runtime for that)."""
-        import copy
-
-        from .backends.batch import BatchGroup
-        from .speculative.drafters import ModelDrafter
-
         n = self.parallel
         draft_be = self.drafter.backend if isinstance(self.drafter, ModelDrafter) else None
         if draft_be is not None and getattr(draft_be, "n_seq", 1) != n:
@@ -320,8 +322,6 @@ class Runtime:
     def batch_views(self) -> list:
         """A slot's sequence views (target first, then a model drafter's), as its decode loop joins the
         group with them: BatchGroup.move() takes two slots' lists."""
-        from .speculative.drafters import ModelDrafter
-
         views = [self.target]
         if isinstance(self.drafter, ModelDrafter):
             views.append(self.drafter.backend)
@@ -365,18 +365,15 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     require_gpu: raise GpuRequired (edgerun/device/gpu.py) unless the target's layers are all on a GPU; without
     it a profile that expects a GPU (Jetson, Apple) only warns when they are not.
     """
-    from .device.detect import resolve as resolve_profile
-    from .device.memory import check_memory_fit
+    # resolve.py imports convert/, the GGUF writer and the ONNX exporter: 0.3-0.4 s measured after the rest of
+    # runtime.py, which `edgerun serve` imports before it listens (the model loads after /health answers)
     from .resolve import auto_draft, resolve_model
-    from .speculative.drafters import make_drafter
 
     prof, why = resolve_profile(profile)
     log.info("device profile %s (%s)", prof.name, why)
     overrides = {k: v for k, v in dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                        flash_attn=flash_attn).items() if v is not None}
     args: BackendArgs = prof.backend_args(**overrides)
-    from .device import gpu as gpu_check
-
     if require_gpu:                      # a build without a GPU fails before any model is pulled or loaded
         gpu_check.enforce(gpu_check.check(prof, n_gpu_layers=args.n_gpu_layers, require=True), True)
     spec = SpeculativeArgs(gamma=parse_gamma(gamma),
@@ -400,11 +397,9 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
     cluster = None
     if rpc or tensor_split:
-        from .cluster.head import plan
-
         if not rpc:
             raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
-        cluster = plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes * parallel, n_gpu_layers=n_gpu_layers)
+        cluster = cluster_plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes * parallel, n_gpu_layers=n_gpu_layers)
         target_bytes, kv_bytes = cluster.placement.head_bytes, cluster.placement.head_kv // parallel
     try:
         check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
@@ -444,7 +439,7 @@ class TokenStream:
     of its own: BatchGroup.drive). run(on_step) calls on_step(step) for each Step until it returns False or
     the generation ends; in a batching group a loop that runs beside others runs on the engine thread,
     which steps every such member itself (BatchGroup.run, the server's slots), so on_step must be quick
-    there (wrap a wait in backends.batch.blocking). Either way closing or stopping it rolls the caches back to what was
+    there (wrap a wait in engine.blocking). Either way closing or stopping it rolls the caches back to what was
     committed. A stream runs once."""
 
     def __init__(self, runtime: Runtime, args: tuple) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from edgerun.backends.batch import blocking
+from edgerun.engine import blocking
 
 TINY_ARGS = ("--draft", "none", "--profile", "generic-x86_64-cpu", "--threads", "1", "--ctx", "256")
 

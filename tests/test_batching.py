@@ -1,5 +1,5 @@
 """Continuous batching (issue 22): several sequences of one llama.cpp context, each running the one decode
-loop, their steps evaluated together (edgerun/backends/batch.py). Real llama.cpp, real threads.
+loop, their steps evaluated together (edgerun/engine/batch.py). Real llama.cpp, real threads.
 
 What must hold: each sequence's output is what it would be alone (greedy at 1 thread, and sampled with
 a fixed seed: its own rng and logits); a sequence that stops mid-batch leaves the others untouched; and
@@ -89,7 +89,7 @@ def test_generations_that_join_a_running_one_are_stepped_by_the_engine_thread(ti
     it while it runs are stepped by the engine thread (run_inline), and the first moves there too at its
     next Step: each text is what it is alone, the first's Steps came from both threads, and batches held
     its rows with the others'."""
-    from edgerun.backends.batch import blocking
+    from edgerun.engine import blocking
 
     rt = _load(tiny_llama, 4, draft=str(tiny_llama) if draft else None, gamma=gamma)
     with rt:
@@ -157,7 +157,7 @@ def test_without_greenlet_every_generation_runs_on_its_own_thread(tiny_llama):
 
 def test_every_evaluation_of_a_multi_sequence_context_runs_on_the_engine_thread(tiny_llama):
     """llama.cpp's CPU backend runs a call on an OpenMP team of the calling thread, a team lives as long as
-    its thread, and a second live team slows the working one (libgomp's throttled spinning; llamacpp.on_engine).
+    its thread, and a second live team slows the working one (libgomp's throttled spinning; engine.thread.on_engine).
     So every llama_decode of a multi-sequence context, of the target and of a model drafter, whoever calls
     it (the slots' decode loops, an eval from this thread as the start-up cost probe makes), runs on the
     process's one engine thread; a one-sequence context evaluates on the calling thread."""
@@ -195,7 +195,7 @@ def test_a_job_being_admitted_joins_the_next_step_and_a_slow_admission_holds_non
     holds nothing after it. Both ways of running a member: iterated on its own thread (drive), and run
     with a callback on the engine thread (run_inline, the server's), whose ~1 ms wait per token goes
     through blocking()."""
-    from edgerun.backends.batch import ADMIT_GRACE_S, blocking
+    from edgerun.engine import ADMIT_GRACE_S, blocking
 
     with _load(tiny_llama, 4) as rt:
         batches: list[list[tuple[int, int]]] = []
@@ -751,7 +751,7 @@ def test_a_lone_sequence_evaluates_ahead_and_rolls_back_what_it_began(tiny_llama
     BatchGroup.begin): the text is the one-sequence backend's, and whatever ends the generation (a stop
     string, the consumer leaving, max_tokens, the context's end) leaves the cache holding exactly the committed
     tokens minus the pending one, the evaluation begun ahead rolled back."""
-    from edgerun.backends import batch as batch_mod
+    from edgerun.engine import batch as batch_mod
 
     began = []
     orig = batch_mod.BatchGroup.begin

@@ -1,5 +1,5 @@
-"""What runs between two evaluations: deferred hand-offs (util/handoff.py), the engine thread's calls
-(llamacpp.on_engine) and the logits a backend returns (its own arrays, not llama.cpp's buffer)."""
+"""What runs between two evaluations: deferred hand-offs (engine/handoff.py), the engine thread's calls
+(engine/thread.py on_engine) and the logits a backend returns (its own arrays, not llama.cpp's buffer)."""
 
 import asyncio
 import math
@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from edgerun.backends import llamacpp
-from edgerun.backends.llamacpp import LlamaCppBackend, on_engine
+from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs
-from edgerun.util import handoff
+from edgerun.engine import handoff, thread as engine_thread
+from edgerun.engine import on_engine
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +87,7 @@ def test_engine_runs_calls_on_one_thread_and_returns_results_and_errors():
     for t in threads:
         t.join(timeout=30)
     assert out == {i: i * i for i in range(16)}
-    assert llamacpp._engine.thread.is_alive()
+    assert engine_thread._engine.thread.is_alive()
 
 
 def test_a_jobs_steps_reach_its_event_loop_in_order_before_its_end():

@@ -67,13 +67,13 @@ def test_a_gap_a_finished_job_leaves_is_closed_by_moving_a_running_sequence(tiny
             threads.append(post_in_thread(srv.url, COMPL, {"model": model, "prompt": p, "max_tokens": n,
                                                             "temperature": 0}, out, p))
             assert rt.entered.acquire(timeout=30)
-        assert [sch._seq_id(i) for i in range(4)] == [0, 1, 2, 3]
+        assert [sch.packing.seq_id(i) for i in range(4)] == [0, 1, 2, 3]
         rt.gate.set()
         for t in threads:
             t.join(60)
         assert {p: out[p].json()["choices"][0]["text"] for p in prompts} == alone
         assert metric(srv.url, "edgerun_batch_moves_total") == 1
-        assert [sch._seq_id(i) for i in range(4)] == [0, 2, 1, 3]
+        assert [sch.packing.seq_id(i) for i in range(4)] == [0, 2, 1, 3]
         r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "short", "max_tokens": 2, "temperature": 0},
                        timeout=60)
         assert r.json()["choices"][0]["text"] == alone["short"]
@@ -137,12 +137,12 @@ def test_a_request_runs_on_the_packed_slot_with_the_prefix_another_slot_holds(ti
         assert caches[1][:len(x)] == x and caches[0][:len(x)] != x
         group = sch.slots[0].group
         for turn in range(3):                           # the same conversation, one turn further each time
-            rows, moved = group.n_rows, sch.n_moved
+            rows, moved = group.n_rows, sch.packing.n_moved
             r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": prompts["x"] + " six", "max_tokens": 4,
                                                   "temperature": 0}, timeout=60)
             assert r.status_code == 200, r.text
             assert list(sch.slots[0].target.tokens[:len(x)]) == x                  # it ran on slot 0
-            assert sch.n_moved - moved == (1 if turn == 0 else 0)   # copied once, then slot 0 holds it
+            assert sch.packing.n_moved - moved == (1 if turn == 0 else 0)   # copied once, then slot 0 holds it
             assert group.n_rows - rows < len(x)          # the cached prefix was not evaluated again
             assert list(sch.slots[1].target.tokens) == caches[1]                  # slot 1 untouched
 

@@ -42,7 +42,23 @@ class Backend(Protocol):
 
     # Optional: begin_eval(tokens, n_logits=None) -> a function waiting for eval()'s logits, or None where
     # the backend cannot evaluate in the background now (then eval). The decode loop uses it for plain
-    # decoding (backends/batch.py's SeqBackend: a lone sequence of a batching group).
+    # decoding (engine/sequence.py's SeqBackend: a lone sequence of a batching group).
+
+
+class CachedTokens:
+    """The Backend protocol's derived attributes, shared by the engines: `tokens` mirrors the cache, and the
+    vocabulary is the tokenizer's."""
+
+    tokens: list[int]
+    tokenizer: "object"
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        return self.tokenizer.vocab_fingerprint
 
 
 def check_eval(backend: Backend, tokens: Sequence[int], n_logits: int | None) -> tuple[list[int], int]:

@@ -25,12 +25,13 @@ from typing import Sequence
 import numpy as np
 import psutil
 
-from .base import check_eval
+from .base import CachedTokens, check_eval
 from ..config import BackendArgs
 from ..errors import BackendError, InvalidArgument, ModelFormatError
 from ..onnx.layout import LOGITS_TO_KEEP, OnnxModelConfig, past_key, past_value, present_key, present_value, read_config
 from ..tokenizer import Tokenizer
-from ..util import handoff, hugepages
+from ..engine import handoff
+from ..util import hugepages
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def default_threads() -> int:
     return max(1, psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
 
 
-class OnnxBackend:
+class OnnxBackend(CachedTokens):
     """One exported ONNX decoder + its KV cache in onnxruntime."""
 
     def __init__(self, path: str | Path, args: BackendArgs | None = None) -> None:
@@ -206,14 +207,6 @@ class OnnxBackend:
                                    f"says n_vocab {cfg.model.n_vocab}; re-export the model")
 
     # -- Backend protocol ---------------------------------------------------------------------------
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def vocab_fingerprint(self) -> str:
-        return self.config.vocab_fingerprint
-
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
         tokens, k = check_eval(self, tokens, n_logits)
         n = len(tokens)

@@ -12,13 +12,13 @@ from typing import Sequence
 
 import numpy as np
 
-from .base import check_eval
+from .base import CachedTokens, check_eval
 from ..errors import InvalidArgument
 from ..reference.llama import ReferenceModel
 from ..tokenizer import Tokenizer
 
 
-class ReferenceBackend:
+class ReferenceBackend(CachedTokens):
     """One ReferenceModel + its KV cache. `source` is a GGUF path or an already built ReferenceModel
     (then `tokenizer` is required: e.g. the Tokenizer of the GGUF the weights came from)."""
 
@@ -44,14 +44,6 @@ class ReferenceBackend:
         self.tokens: list[int] = []
         self._cache = self.model.new_cache()
         self.n_evals = 0           # forward calls made: lets tests check what the decode loop batches
-
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def vocab_fingerprint(self) -> str:
-        return self.tokenizer.vocab_fingerprint
 
     def eval(self, tokens: Sequence[int], n_logits: int | None = None) -> np.ndarray:
         tokens, k = check_eval(self, tokens, n_logits)

@@ -5,237 +5,32 @@ Runtime loaded with parallel 1 serves one generation at a time on that thread, a
 parallel N (continuous batching) it runs N slot threads, one per sequence of the shared contexts
 (Runtime.slots): a free slot takes the oldest waiting job as soon as its previous one ends (and passes
 it to the free slot that keeps the busy sequence ids packed, copying in the cache of a free slot that holds
-a longer prefix of its prompt), and the slots' decode steps are
-evaluated together (edgerun/backends/batch.py). Jobs start in arrival order. Each job streams its events (Step records, then one JobResult)
-back to the asyncio event loop that submitted it (a step as the engine next enters native code:
-util/handoff.py). A job stops early when it is cancelled (client
-gone), when its deadline passes, or when the server drains for shutdown; stopping closes the
-Runtime's stream, whose `finally` rolls the KV caches back to the committed tokens.
+a longer prefix of its prompt: engine/packing.py), and the slots' decode steps are evaluated together
+(edgerun/engine/). Jobs (serve/jobs.py) start in arrival order. Each job streams its events (Step records,
+then one JobResult) back to the asyncio event loop that submitted it (a step as the engine next enters
+native code: engine/handoff.py). A job stops early when it is cancelled (client gone), when its deadline
+passes, or when the server drains for shutdown; stopping closes the Runtime's stream, whose `finally` rolls
+the KV caches back to the committed tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from ..backends.base import common_prefix
 from ..errors import EdgerunError, InvalidArgument
-from ..generate import GenStats
-from ..util import handoff
+from ..engine.events import JobEvents
+from ..engine.packing import SeqPacking
+from .jobs import ClientBusy, Job, JobResult, QueueFull, Unavailable
 from .promptcache import MIN_GAIN
 
+__all__ = ["ClientBusy", "Job", "JobEvents", "JobResult", "QueueFull", "Scheduler", "Unavailable"]
+
 log = logging.getLogger(__name__)
-
-
-def _runs(ids: set[int]) -> int:
-    """Runs of consecutive integers in ids: {0, 1, 3} -> 2."""
-    return sum(1 for i in ids if i - 1 not in ids)
-
-
-class QueueFull(EdgerunError):
-    """Every queue slot is taken; the caller should retry after `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class ClientBusy(QueueFull):
-    """One client already holds as many running and waiting requests as one client may."""
-
-
-class Unavailable(EdgerunError):
-    """The worker cannot take jobs: models still loading, loading failed, or shutting down."""
-
-    def __init__(self, message: str, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass
-class JobResult:
-    """How a job ended. outcome: stop | eos | length (normal ends), timeout (time limit reached after
-    it started: a normal end too, the text is what was generated), cancelled, shutdown, error."""
-
-    outcome: str
-    n_prompt_tokens: int = 0
-    n_cached: int = 0               # prompt positions restored from the prompt cache (not evaluated)
-    n_tokens: int = 0
-    max_tokens: int = 0
-    stats: GenStats = field(default_factory=GenStats)
-    queue_wait_s: float = 0.0
-    ttft_s: float | None = None
-    error: BaseException | None = None
-    started: bool = False
-
-    @property
-    def finish_reason(self) -> str:
-        """The OpenAI finish_reason: 'length' also covers the server's time limit."""
-        return {"eos": "stop", "stop": "stop"}.get(self.outcome, "length")
-
-
-class JobEvents:
-    """A job's events, from the thread that runs it to the event loop that answers it: put() from any
-    thread, get_until() on the loop. An asyncio.Queue fed by call_soon_threadsafe and read under an
-    asyncio.timeout cost the loop a callback, a timer and a getter future per token, CPU that on a 2-core
-    board comes out of the model's evaluation running beside it (docs/batching.md); here a token costs a
-    deque append, the loop is woken only while it waits (once per wait), and one deadline timer per job
-    is re-armed only when the deadline changes.
-
-    hold_s: a step ("step" event) that comes less than hold_s after the last wake is held, not woken for:
-    it reaches the loop with the job's next event (the next step, or the end), so a fast decode wakes the
-    loop once per hold_s instead of once per token and the loop writes the held tokens in one go
-    (`edgerun serve --stream-interval`, docs/batching.md). Once events flow, each wait also arms a nudge
-    at 2 * hold_s, so a step held before a long pause (a newcomer's prompt in the batch, a stalled engine)
-    reaches the loop within 2 * hold_s; a decode that keeps pace never lets the nudge ring.
-    0 wakes for every event; math.inf holds every step until the end (a response that is not streamed)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, hold_s: float = 0.0) -> None:
-        self._loop = loop
-        self._items: deque = deque()
-        self._waiter: asyncio.Future | None = None
-        self._woken: asyncio.Future | None = None   # the waiter a wake was sent to (one per wait)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None     # the monotonic time the timer rings for
-        self.hold_s = hold_s
-        self._woke_at = -math.inf                # when put() last woke the loop (the producer's clock)
-        self._flowing = False                    # an event has been read: waits arm the nudge (hold_s finite)
-
-    def put(self, item) -> None:
-        """Hand an event over (any thread). RuntimeError if the loop is closed."""
-        self._items.append(item)
-        waiter = self._waiter                    # set by get_until before it re-checks the items: no lost wake
-        if waiter is not None and self._woken is not waiter:
-            if self.hold_s and item[0] == "step":
-                now = time.monotonic()
-                if now - self._woke_at < self.hold_s or self.hold_s == math.inf:
-                    return                       # held: the job's next event wakes the loop for both
-                self._woke_at = now
-            self._woken = waiter
-            self._loop.call_soon_threadsafe(_wake, waiter)
-
-    def get_nowait(self):
-        """The next event; asyncio.QueueEmpty if none has come."""
-        try:
-            return self._pop()
-        except IndexError:
-            raise asyncio.QueueEmpty from None
-
-    async def get_until(self, when: float):
-        """The next event, waiting until time.monotonic() reaches `when` at most (asyncio.TimeoutError)."""
-        while True:
-            if self._items:
-                return self._pop()
-            left = when - time.monotonic()
-            if left <= 0:
-                raise asyncio.TimeoutError
-            if self._timer_at != when and when != math.inf:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer, self._timer_at = self._loop.call_later(left, self._ring), when
-            fut = self._loop.create_future()
-            self._waiter = fut
-            if self._items:                      # came between the check above and the waiter being set
-                self._waiter = None
-                continue
-            nudge = (self._loop.call_later(2 * self.hold_s, _wake, fut)
-                     if self._flowing and 0 < self.hold_s < math.inf else None)
-            try:
-                await fut
-            finally:
-                if nudge is not None:
-                    nudge.cancel()
-                if self._waiter is fut:
-                    self._waiter = None
-
-    def _pop(self):
-        item = self._items.popleft()
-        self._flowing = True
-        return item
-
-    async def get(self):
-        """The next event, however long it takes."""
-        return await self.get_until(math.inf)
-
-    def close(self) -> None:
-        """Cancel the deadline timer (the job has ended)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_at = None
-
-    def _ring(self) -> None:
-        self._timer = self._timer_at = None      # re-armed by the next wait if it rang early
-        if self._waiter is not None:
-            _wake(self._waiter)
-
-
-def _wake(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-class Job:
-    """One generation request. Created and awaited on the event loop; run on the worker thread."""
-
-    def __init__(self, *, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                 prompt_tokens: Sequence[int] | None = None, max_tokens: int | None = None,
-                 stop: Sequence[str] = (), sampling: dict | None = None, timeout_s: float = 300.0,
-                 structure: dict | None = None, client: Any = None) -> None:
-        if sum(x is not None for x in (prompt, messages, prompt_tokens)) != 1:
-            raise ValueError("a Job needs exactly one of prompt, messages and prompt_tokens")
-        self.prompt = prompt
-        self.messages = list(messages) if messages is not None else None
-        self.prompt_tokens = list(prompt_tokens) if prompt_tokens is not None else None
-        self.finished = False                      # set by the event loop once it read the end event
-        self.max_tokens = max_tokens
-        self.stop = tuple(stop)
-        self.sampling = dict(sampling or {})
-        # the output's structure: tools / tool_choice / parallel_tool_calls / response_format / json_schema
-        # (compiled on the worker, before the first token: a bad one fails the job as InvalidArgument)
-        self.structure = dict(structure or {})
-        self.client = client                       # who asked (serve/clients.py): the per-client cap's key
-        self.created = time.monotonic()
-        self.deadline = self.created + timeout_s
-        self.events = JobEvents(asyncio.get_running_loop())
-        self._stop_reason: str | None = None       # set once: cancelled | shutdown
-        self.deadline_outcome = "timeout"          # how reaching the deadline is reported
-        self._stop_lock = threading.Lock()
-
-    # -- called from any thread ----------------------------------------------------------------
-    def request_stop(self, reason: str) -> None:
-        with self._stop_lock:
-            if self._stop_reason is None:
-                self._stop_reason = reason
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self._stop_reason
-
-    def shorten_deadline(self, deadline: float) -> None:
-        self.deadline = min(self.deadline, deadline)
-
-    def _emit(self, kind: str, payload: Any) -> None:
-        """Hand an event to the job's event loop. A step goes when the engine next enters native code
-        (util/handoff.py: the event loop's Python per token then runs beside the evaluation, not between
-        two); the end goes at once, after every step deferred before it."""
-        if kind == "step":
-            handoff.defer(partial(self._post, kind, payload))
-            return
-        handoff.flush()
-        self._post(kind, payload)
-
-    def _post(self, kind: str, payload: Any) -> None:
-        try:
-            self.events.put((kind, payload))
-        except RuntimeError:          # the event loop is closed: nobody is listening any more
-            log.debug("dropped %s event of a job whose event loop is closed", kind)
 
 
 class Scheduler:
@@ -266,7 +61,7 @@ class Scheduler:
         self._dispatch = threading.Lock()           # held by the slot taking and placing a job
         self._handoff: dict[int, tuple] = {}        # slot -> (job, prepared prompt) another slot passed it
         self._mean_job_s = 5.0                      # running mean of job durations, for Retry-After
-        self.n_moved = 0                            # caches copied to the slot a job was placed on
+        self.packing = SeqPacking()                 # the slots' sequence ids, kept packed (set up with them)
         self.runtime: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -433,6 +228,7 @@ class Scheduler:
             return
         self.n_slots = len(slots)
         self.slots = slots
+        self.packing = SeqPacking(slots, self.prompt_cache, MIN_GAIN)
         self._idle = set(range(len(slots)))
         self.runtime = runtime
         self.ready.set()
@@ -519,91 +315,36 @@ class Scheduler:
         return prompt_tokens, constraint
 
     def _affinity(self, slot: int, runtime: Any, job: Job) -> tuple[int, Any]:
-        """(the slot to run the job on, its prepared prompt or None). Called with the dispatch lock held.
-
-        Of this slot and the free ones, the one that keeps the busy sequence ids packed (fewest runs of
-        consecutive ids; the lowest on ties): llama.cpp cuts a batch of per-sequence KV streams at every gap
-        in the ids, so busy slots 0 and 2 cost two passes over the weights (or a filler row) where 0 and 1
-        cost one. If another free slot's cache holds a longer prefix of the prompt (a conversation's next
-        turn finds its history), that cache is copied into the chosen slot first (a per-sequence state copy,
-        ~1 ms per 100 positions) instead of running the job where the prefix happens to be."""
+        """(the slot to run the job on, its prepared prompt or None). Called with the dispatch lock held:
+        of this slot and the free ones, the one the packing picks (engine/packing.py), with the prompt's
+        longest cached prefix copied in; another slot than this one gets the job handed over."""
         if len(self.slots) == 1:
             return slot, None
         try:
             prepared = self._prepare(runtime, job)
         except Exception:                    # bad input: _run reports it
             return slot, None
-        prompt = prepared[0]
-        seq = self._seq_id
         with self._cond:
             free = sorted(self._idle | {slot})
-            busy = {seq(i) for i in range(len(self.slots)) if i not in free}
-            best = min(free, key=lambda i: (_runs(busy | {seq(i)}), seq(i)))
+            best = self.packing.best_slot(free)
             if best != slot:
                 self._idle.discard(best)
-        have = {i: common_prefix(self.slots[i].target.tokens, prompt) for i in free}
-        holder = max(free, key=lambda i: (have[i], i == best))
-        if have[holder] >= have[best] + MIN_GAIN:        # a copy must save what a restore must
-            self._move_prefix(holder, best, have[best])
+        self.packing.bring_prefix(free, best, prepared[0])
         if best != slot:
             with self._cond:
                 self._handoff[best] = (job, prepared)
                 self._cond.notify_all()
         return best, prepared
 
-    def _seq_id(self, slot: int) -> int:
-        """The sequence id slot `slot` runs on now (its target view's; _compact changes it)."""
-        return getattr(self.slots[slot].target, "seq", slot)
-
     def _compact(self, group: Any) -> None:
-        """Close the gaps a finished job left in the busy sequence ids: move the highest busy sequence into
-        the idle id that packs the busy ones best (BatchGroup.move, at the running sequences' next step).
-        With one KV stream per sequence llama.cpp evaluates busy ids 0 and 2 in two passes over the weights,
-        0 and 1 in one (docs/batching.md has the cost). The idle slot's own cache goes to the prompt cache
-        first when a restore would pay; a sequence that is still being placed (not joined) is not moved. Not
-        while jobs wait: the freed slot takes one at once (a move would hold its admission for a step), and
-        the packing of _affinity places it; a job that comes while a move waits for its step cancels it
-        (submit), and a move whose sequence ends meanwhile ends with it (BatchGroup.move)."""
-        seq = self._seq_id
-        with self._dispatch:
-            for _ in range(len(self.slots)):
-                with self._cond:
-                    if self._waiting or self._handoff:
-                        return          # the free slot takes a job at once: a move would only delay it
-                    idle = set(self._idle)
-                busy = [i for i in range(len(self.slots)) if i not in idle]
-                ids = {seq(i) for i in busy}
-                if not idle or _runs(ids) <= 1:
-                    return
-                src = max(busy, key=seq)
-                rest = ids - {seq(src)}
-                dst = min((i for i in idle if seq(i) < seq(src)), key=lambda i: (_runs(rest | {seq(i)}), seq(i)),
-                          default=None)
-                if dst is None or _runs(rest | {seq(dst)}) >= _runs(ids):
-                    return
-                to = self.slots[dst].target
-                if self.prompt_cache is not None and len(to.tokens) >= MIN_GAIN:
-                    try:
-                        self.prompt_cache.put(to.save_state())
-                    except EdgerunError as e:
-                        log.warning("saving slot %d's cache before moving a sequence there: %s", dst, e)
-                # at the next step: a few steps' time at most (then the gap stays until the next job ends)
-                step_s = group.eval_s / group.n_steps if group.n_steps else 0.1
-                if not group.move(self.slots[src].batch_views(), self.slots[dst].batch_views(),
-                                  timeout_s=min(2.0, max(0.1, 3 * step_s))):
-                    return
+        """Close the gaps a finished job left in the busy sequence ids (SeqPacking.compact), not while jobs
+        wait; no slot places a job meanwhile."""
+        def idle_now() -> "set[int] | None":
+            with self._cond:
+                return None if self._waiting or self._handoff else set(self._idle)
 
-    def _move_prefix(self, src: int, dst: int, dst_kept: int) -> None:
-        """Copy free slot src's cache into free slot dst (dst's own, if it would be lost, into the prompt
-        cache first). A failure is logged: the job then evaluates its prompt."""
-        to, frm = self.slots[dst].target, self.slots[src].target
-        try:
-            if self.prompt_cache is not None and len(to.tokens) - dst_kept >= MIN_GAIN:
-                self.prompt_cache.put(to.save_state())
-            to.restore_state(frm.save_state())
-            self.n_moved += 1
-        except EdgerunError as e:
-            log.warning("copying slot %d's cache to slot %d: %s; evaluating the prompt instead", src, dst, e)
+        with self._dispatch:
+            self.packing.compact(group, idle_now)
 
     def _run(self, runtime: Any, job: Job, slot: int = 0, prepared: Any = None) -> JobResult:
         now = time.monotonic()

@@ -52,6 +52,8 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..device.cost import CostCurve
+from .acceptance import AcceptanceModel
+from .cycle_cost import CycleCostModel
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +132,9 @@ class TunerSettings:
                                   f"got {self.explore_every}, {self.explore_max}")
 
 
-class GammaTuner:
-    """Cost model + online acceptance per drafter hint class -> gamma per cycle (module docstring)."""
+class GammaTuner(AcceptanceModel, CycleCostModel):
+    """Cost model (cycle_cost.py) + online acceptance per drafter hint class (acceptance.py) -> gamma per
+    cycle, chosen here (module docstring)."""
 
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, seed: int = 0,
                  settings: TunerSettings = TunerSettings()) -> None:
@@ -145,23 +148,9 @@ class GammaTuner:
         self.settings = settings
         self.warmup_gamma = min(settings.warmup_gamma, gamma_max)     # 0: chosen from the curve per cycle
         self._rng = np.random.default_rng(seed)
-        C, G = n_classes, gamma_max
-        # decayed counts per hint class and drafted position i = 1..G (index [class, i - 1])
-        self._acc = np.zeros((C, G))      # accepted
-        self._seen = np.zeros((C, G))     # verified with every earlier position accepted
-        self._asked = np.zeros((C, G))    # drafter was asked for position i (and supplied i - 1)
-        self._got = np.zeros((C, G))      # ... and supplied it
-        # observed times: EMA of T_verify(n) per n, draft time / curve ratio, cost of a drafter miss
-        n_tab = G + 2                # index n = 1..G + 1 (index 0 unused)
-        self._load = 1.0                          # observed / curve, common to every n (fast)
-        self._shape = np.ones(n_tab)              # per-n correction of the curve's form (slow), index n
-        self._shape_n = np.zeros(n_tab)           # observations behind _shape[n]
-        self._tv_cache: np.ndarray | None = None
-        self._curve = np.array([np.nan] + [cost.verify(n) for n in range(1, n_tab)])   # index n = 1..G + 1
-        self._td_ratio = 1.0
-        self._t_miss = 0.0
-        # catch-up cost per position / draft step: prior from the curve's cost per row at its largest batch
-        self._sync_ratio = float(self._curve[G + 1] / ((G + 1) * self._curve[1]))
+        C = n_classes
+        self._init_counts(n_classes, gamma_max)
+        self._init_times(cost, gamma_max)
         self._lag = 0                           # the drafter's catch-up before the cycle being run
         # the policy's state per class: gamma in force, cycles since the last exploration, drafting
         # cycles seen (warm-up), exploration interval while speculation is on
@@ -237,101 +226,6 @@ class GammaTuner:
         self.n_explored = int(state.get("n_explored", 0))
         self._tv_cache = None
         return True
-
-    # -- the model ---------------------------------------------------------------------------
-    def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float, c: int,
-                rng: np.random.Generator | None = None) -> np.ndarray:
-        """Per-position Beta posterior means for class c, shrunk towards the class's pooled mean,
-        which is shrunk towards the pooled mean of all classes (itself shrunk towards the prior).
-        With rng, the class's pooled mean is drawn from its Beta posterior instead (Thompson
-        sampling: a class seen little is sometimes drafted optimistically, and so gets learned)."""
-        st = self.settings
-        pooled = (mean0 * st.prior_strength + hits.sum()) / (st.prior_strength + trials.sum())
-        if self.n_classes > 1 or rng is not None:
-            h, n = hits[c].sum(), trials[c].sum()
-            cs = st.class_strength
-            if rng is None:
-                pooled = (h + cs * pooled) / (n + cs)
-            else:
-                pooled = rng.beta(h + cs * pooled, max(n - h, 0.0) + cs * (1.0 - pooled))
-        return (hits[c] + st.pool_strength * pooled) / (trials[c] + st.pool_strength)
-
-    def acceptance(self, hint: int = 0, rng: np.random.Generator | None = None, z: float = 0.0) -> np.ndarray:
-        """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted), for a hint class
-        (posterior mean, or a posterior draw with rng; z > 0: z posterior standard deviations below the
-        mean, a lower confidence bound that is wide where the class has seen few drafts)."""
-        a = self._shrunk(self._acc, self._seen, self.settings.alpha_prior, hint, rng)
-        if z > 0:
-            n = self._seen[hint] + self.settings.pool_strength                  # [G] trials behind each a_i
-            a = np.clip(a - z * np.sqrt(a * (1.0 - a) / (n + 1.0)), 0.0, 1.0)
-        return a
-
-    def supply(self, hint: int = 0) -> np.ndarray:
-        """s_i: P(drafter supplies position i | asked for it and supplied i - 1), for a hint class."""
-        return np.minimum(self._shrunk(self._got, self._asked, self.settings.supply_prior, hint), 1.0)
-
-    def t_verify(self, n: int) -> float:
-        """T_verify(n) = curve(n) x load x shape(n): `load` follows the machine's current speed fast
-        (one factor for every n, so a busy spell slows all choices alike and cancels in the argmax);
-        shape(n), learned slowly from the n the loop has run (interpolated between them, 1.0 before
-        any), corrects the curve's form where the prior or probe was wrong."""
-        if n <= self.gamma_max + 1:
-            return float(self._tv_table()[n - 1])
-        return float(self._tv_at(np.array([n]))[0])
-
-    def _tv_at(self, n: np.ndarray) -> np.ndarray:
-        curve = self._curve                                                 # curve [G + 2]: T(n) prior, index n
-        if n.max() < len(curve):
-            pred = curve[n]                                                 # pred [len(n)]
-        else:
-            pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])
-        seen = np.flatnonzero(self._shape_n > 0)
-        shape = np.interp(n, seen, self._shape[seen]) if seen.size else np.ones(len(n))
-        return pred * self._load * shape
-
-    def _tv_table(self) -> np.ndarray:
-        """T_verify(n) for n = 1..gamma_max + 1, recomputed only after an observation."""
-        if self._tv_cache is None:
-            self._tv_cache = self._tv_at(np.arange(1, self.gamma_max + 2))
-        return self._tv_cache
-
-    def t_draft(self) -> float:
-        return self.cost.t_draft * self._td_ratio
-
-    def t_sync(self) -> float:
-        """Seconds per position of the drafter's catch-up."""
-        return self.t_draft() * self._sync_ratio
-
-    @staticmethod
-    def _excess(lag: int) -> int:
-        """Positions caught up beyond a speculating cycle's own (its first draft step evaluates up to two:
-        the last accepted draft's successor and the target's token)."""
-        return max(lag - 2, 0)
-
-    def _catch_up(self, lag: int) -> float:
-        """Seconds of that catch-up."""
-        return self._excess(lag) * self.t_sync()
-
-    def _cycle(self, hint: int = 0, rng: np.random.Generator | None = None,
-               z: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-        """Predicted tokens and seconds of a cycle asking for gamma = 0..gamma_max drafts (index gamma)."""
-        a, s = self.acceptance(hint, rng, z), self.supply(hint)
-        D = np.concatenate([[1.0], np.cumprod(s)])          # D [G + 1]: P(at least k drafted | asked >= k)
-        A = np.cumprod(s * a)                               # A [G]: P(positions 1..k drafted and accepted)
-        tv = self._tv_table()                               # tv [G + 1]: T_verify(m + 1), m = 0..G
-        # asking for g: exactly m < g drafted with P = D[m] - D[m + 1], all g with P = D[g]
-        stop_before = np.concatenate([[0.0], np.cumsum((D[:-1] - D[1:]) * tv[:-1])])   # [G + 1], index g
-        cost = (self.t_draft() * np.concatenate([[0.0], np.cumsum(D[1:])])
-                + stop_before + D * tv + (D[0] - D[1]) * self._t_miss)                 # cost [G + 1]
-        cost[0] = tv[0]
-        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(A)])                         # tokens [G + 1]
-        return tokens, cost
-
-    def rates(self, hint: int = 0, rng: np.random.Generator | None = None, z: float = 0.0) -> np.ndarray:
-        """Predicted tokens/s for gamma = 0..gamma_max in a hint class (vectorised: runs every cycle);
-        with rng, for acceptance drawn from its posterior; with z, at its lower confidence bound."""
-        tokens, cost = self._cycle(hint, rng, z)
-        return tokens / cost
 
     # -- the policy --------------------------------------------------------------------------
     def choose(self, hint: int | None = 0, lag: int = 0) -> int:
@@ -428,63 +322,20 @@ class GammaTuner:
         c = self._hint
         asked = min(max(self._last, gamma), self.gamma_max)
         m = min(gamma, self.gamma_max)
-        k = self.settings.time_ema
         if c is not None and not self._lowered:
             # per cycle of this class, drafted or not, so old text weighs less and less; slower while
             # speculation is off, so the sparse exploratory cycles add up to an estimate instead of
             # fading into the prior
             d = self.settings.decay if self._current[c] > 0 else self.settings.decay ** 0.25
-            for arr in (self._acc, self._seen, self._asked, self._got):
-                arr[c] *= d
             if self._exploring and m == 0 and asked > 0:
                 self._since_explore[c] = 10 ** 9      # nothing was drafted: the exploration is still owed
             if m > 0:
                 self._n_drafting[c] += 1
-            if asked > 0:
-                # supply: positions 1..m supplied; position m + 1 asked but not supplied
-                self._asked[c, :m] += 1
-                self._got[c, :m] += 1
-                if m < asked:
-                    self._asked[c, m] += 1
-                # acceptance: positions 1..n_accepted accepted; position n_accepted + 1 rejected (if drafted)
-                na = min(n_accepted, m)
-                self._acc[c, :na] += 1
-                self._seen[c, :na] += 1
-                if na < m:
-                    self._seen[c, na] += 1
+            self._count(c, d, asked, m, n_accepted)
         self._exploring = False
         self._lowered = False
-        if not times:
-            return
-        # times
-        n = m + 1
-        # one observation moves an estimate by at most a factor 2 (a preempted cycle on a busy
-        # machine is a spike, not a new cost level; a real change still arrives within a few cycles)
-        if n < len(self._shape) and t_verify > 0:
-            self._tv_cache = None
-            r = t_verify / self._curve[n]
-            cnt = self._shape_n[n]
-            if not self._shape_n.any():
-                self._load = r                      # the prior may be far off: the first sample is taken whole
-            elif cnt == 0:
-                self._shape[n] = r / self._load
-            else:
-                expect = self._load * self._shape[n]
-                r = float(np.clip(r, expect / 2, expect * 2))
-                self._load += k * (r / self._shape[n] - self._load)
-                self._shape[n] += max(self.settings.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
-            self._shape_n[n] = cnt + 1
-        excess = self._excess(self._lag)
-        if m > 0 and self.cost.t_draft > 0 and excess > 0:
-            # the draft steps at their current estimate, the rest is the catch-up's
-            r = max(t_draft - m * self.t_draft(), 0.0) / (excess * self.t_draft())
-            r = float(np.clip(r, self._sync_ratio / 2, self._sync_ratio * 2))
-            self._sync_ratio = (1 - k) * self._sync_ratio + k * r
-        elif m > 0 and self.cost.t_draft > 0:
-            r = float(np.clip(t_draft / (m * self.cost.t_draft), self._td_ratio / 2, self._td_ratio * 2))
-            self._td_ratio = (1 - k) * self._td_ratio + k * r
-        elif m == 0 and asked > 0:
-            self._t_miss = (1 - k) * self._t_miss + k * t_draft
+        if times:
+            self._learn_times(m, asked, t_draft, t_verify)
 
     def _favoured_gamma(self) -> int:
         """The gamma (>= 1) the cost curve favours for a drafter that is good (acceptance WARMUP_ALPHA): the
@@ -522,16 +373,6 @@ class GammaTuner:
             return True
         saved = self.settings.explore_every * tokens[g] * (1.0 / low[0] - 1.0 / low[g])
         return bool(saved > cost)
-
-    def _could_win(self, alpha: float = 1.0) -> bool:
-        """Whether some gamma beats plain decoding by the hysteresis margin at acceptance alpha per
-        position (default: every draft accepted)."""
-        G = self.gamma_max
-        tv = self._tv_table()                                           # tv [G + 1]
-        g = np.arange(1, G + 1)
-        tokens = g + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)   # Leviathan's E[tokens]
-        best = (tokens / (g * self.t_draft() + tv[1:])).max()
-        return bool(best > (1.0 + self.settings.hysteresis) / tv[0])
 
     @property
     def gamma(self) -> int:

@@ -1,0 +1,74 @@
+"""What the GammaTuner learns about a drafter: acceptance and supply per hint class and drafted position.
+
+Both are Beta posteriors over exponentially decayed counts (accepted / verified with every earlier position
+accepted; supplied / asked for), per hint class; per-position estimates are shrunk towards the class's pooled
+mean, and that towards the mean of all classes (itself towards the prior), so late positions and rare
+classes borrow strength. With an rng the class's pooled acceptance is drawn from its posterior (Thompson
+sampling). speculative/gamma.py's module docstring has the whole model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class AcceptanceModel:
+    """The acceptance and supply learner, a part of GammaTuner (which holds n_classes, gamma_max and its
+    TunerSettings as `settings`)."""
+
+    def _init_counts(self, n_classes: int, gamma_max: int) -> None:
+        C, G = n_classes, gamma_max
+        # decayed counts per hint class and drafted position i = 1..G (index [class, i - 1])
+        self._acc = np.zeros((C, G))      # accepted
+        self._seen = np.zeros((C, G))     # verified with every earlier position accepted
+        self._asked = np.zeros((C, G))    # drafter was asked for position i (and supplied i - 1)
+        self._got = np.zeros((C, G))      # ... and supplied it
+
+    def _count(self, c: int, decay: float, asked: int, m: int, n_accepted: int) -> None:
+        """One cycle of class c: the counts decay by `decay`, then the drafter was asked for `asked`
+        positions, supplied m of them and n_accepted were accepted."""
+        for arr in (self._acc, self._seen, self._asked, self._got):
+            arr[c] *= decay
+        if asked > 0:
+            # supply: positions 1..m supplied; position m + 1 asked but not supplied
+            self._asked[c, :m] += 1
+            self._got[c, :m] += 1
+            if m < asked:
+                self._asked[c, m] += 1
+            # acceptance: positions 1..n_accepted accepted; position n_accepted + 1 rejected (if drafted)
+            na = min(n_accepted, m)
+            self._acc[c, :na] += 1
+            self._seen[c, :na] += 1
+            if na < m:
+                self._seen[c, na] += 1
+
+    def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float, c: int,
+                rng: np.random.Generator | None = None) -> np.ndarray:
+        """Per-position Beta posterior means for class c, shrunk towards the class's pooled mean,
+        which is shrunk towards the pooled mean of all classes (itself shrunk towards the prior).
+        With rng, the class's pooled mean is drawn from its Beta posterior instead (Thompson
+        sampling: a class seen little is sometimes drafted optimistically, and so gets learned)."""
+        st = self.settings
+        pooled = (mean0 * st.prior_strength + hits.sum()) / (st.prior_strength + trials.sum())
+        if self.n_classes > 1 or rng is not None:
+            h, n = hits[c].sum(), trials[c].sum()
+            cs = st.class_strength
+            if rng is None:
+                pooled = (h + cs * pooled) / (n + cs)
+            else:
+                pooled = rng.beta(h + cs * pooled, max(n - h, 0.0) + cs * (1.0 - pooled))
+        return (hits[c] + st.pool_strength * pooled) / (trials[c] + st.pool_strength)
+
+    def acceptance(self, hint: int = 0, rng: np.random.Generator | None = None, z: float = 0.0) -> np.ndarray:
+        """a_i, i = 1..gamma_max: P(position i accepted | positions < i accepted), for a hint class
+        (posterior mean, or a posterior draw with rng; z > 0: z posterior standard deviations below the
+        mean, a lower confidence bound that is wide where the class has seen few drafts)."""
+        a = self._shrunk(self._acc, self._seen, self.settings.alpha_prior, hint, rng)
+        if z > 0:
+            n = self._seen[hint] + self.settings.pool_strength                  # [G] trials behind each a_i
+            a = np.clip(a - z * np.sqrt(a * (1.0 - a) / (n + 1.0)), 0.0, 1.0)
+        return a
+
+    def supply(self, hint: int = 0) -> np.ndarray:
+        """s_i: P(drafter supplies position i | asked for it and supplied i - 1), for a hint class."""
+        return np.minimum(self._shrunk(self._got, self._asked, self.settings.supply_prior, hint), 1.0)
