@@ -34,8 +34,10 @@ from starlette.requests import ClientDisconnect
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
-from . import promptcache
+from . import ollama, promptcache, ui
 from .clients import client_key
+from .handling import (_cancel_on_disconnect, _check_fits, _edgerun_field, _next_event, _read_json, _ready_event,
+                       _require_ready, _taken, _vet, check_turns, release_job, start_job)
 from .scheduler import ClientBusy, Job, JobResult, QueueFull, Scheduler, Unavailable
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
@@ -331,7 +333,6 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             if not handed_over:
                 release_job(state, job, watcher)
 
-    from . import ollama, ui            # Ollama's API (/api/*), the page at / and its /status
     ollama.install(app, state)
     ui.install(app, state)
     return app
@@ -340,40 +341,6 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
 def _gpu_dict(runtime) -> dict | None:
     gpu = getattr(runtime, "gpu", None)
     return gpu.to_dict() if gpu is not None else None
-
-
-async def start_job(state: _State, request: Request, job: Job, *, chat: bool) -> tuple[tuple[str, Any], asyncio.Task]:
-    """Queue a job (503 when the queue is full or the model is not ready), watch its client, and wait for its
-    first event; a job that ends before any token raises its error. Returns (first event, disconnect watcher);
-    the caller hands both to its answer or calls release_job. Shared by the OpenAI and Ollama routes."""
-    try:
-        state.scheduler.submit(job)
-    except ClientBusy as e:
-        raise APIError(429, str(e), code="too_many_requests",
-                       headers={"Retry-After": str(e.retry_after)}) from None
-    except QueueFull as e:
-        raise APIError(503, str(e), type="server_error", code="queue_full",
-                       headers={"Retry-After": str(e.retry_after)}) from None
-    except Unavailable as e:
-        raise APIError(503, str(e), type="server_error", code="unavailable",
-                       headers={"Retry-After": str(e.retry_after or 5)}) from None
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, state.scheduler, job))
-    try:
-        first = await _next_event(state, job)
-        if first[0] == "end" and (not first[1].started or first[1].outcome in FAILED):
-            raise error_from_result(first[1], state.config.timeout_s, chat)   # nothing sent yet: a plain error
-    except BaseException:
-        release_job(state, job, watcher)
-        raise
-    return first, watcher
-
-
-def release_job(state: _State, job: Job, watcher: asyncio.Task) -> None:
-    """Stop watching a job's client and cancel the job unless it has ended."""
-    watcher.cancel()
-    job.events.close()
-    if not job.finished:
-        state.scheduler.cancel(job)
 
 
 def default_loader(config: ServerConfig) -> Callable[[], Any]:
@@ -460,44 +427,6 @@ class _Gate:
         await self.app(scope, receive, counting_send)
 
 
-
-
-
-def check_turns(state: _State, n_messages: int) -> None:
-    """Every turn takes a token at least: more messages than the context has positions are refused before
-    the chat template renders them (10,001 turns cost the worker 1.4 s)."""
-    n_ctx = getattr(state.scheduler.runtime, "n_ctx", None)
-    if n_ctx and n_messages > n_ctx:
-        raise APIError(400, f"the conversation has {n_messages} messages, more than the {n_ctx} tokens the context "
-                            "holds (every message takes at least one)", param="messages",
-                       code="context_length_exceeded")
-
-
-async def _vet(state: _State, structure: dict) -> None:
-    """A request's grammar checked on a thread of its own (limits, then a sandboxed compile: see
-    constrain/sandbox.py) before it is queued: a bad one is a 400 and never reaches the worker."""
-    vet = getattr(state.scheduler.runtime, "vet_structure", None)
-    if not structure or vet is None:
-        return
-    try:
-        await asyncio.get_running_loop().run_in_executor(state.vetting, functools.partial(vet, **structure))
-    except InvalidArgument as e:
-        raise APIError(400, str(e), code="invalid_value") from None
-
-
-def _check_fits(state: _State, n_bytes: int, *, chat: bool) -> None:
-    """A prompt too long to fit the context whatever its tokens: 400 here, before it takes a queue slot
-    (its tokenization would hold the one worker)."""
-    runtime = state.scheduler.runtime
-    check = getattr(getattr(runtime, "tokenizer", None), "check_fits", None)
-    if check is None:
-        return
-    try:
-        check(n_bytes, runtime.n_ctx)
-    except ContextOverflow as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from None
-
-
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
@@ -530,125 +459,12 @@ def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
             (b"access-control-max-age", b"600")]
 
 
-def _require_ready(state: _State) -> None:
-    sch = state.scheduler
-    if sch.draining:
-        raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                       headers={"Retry-After": "5"})
-    if sch.load_error is not None:
-        raise APIError(503, f"the model failed to load: {sch.load_error}", type="server_error",
-                       code="model_load_failed")
-    if not sch.ready.is_set():
-        raise APIError(503, f"the model {state.model_id} is still loading; retry shortly", type="server_error",
-                       code="model_loading", headers={"Retry-After": "5"})
-
-
 def _authorized(scope, key: str) -> bool:
     header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
     scheme, _, token = header.partition(b" ")
     if scheme.lower() != b"bearer":
         token = b""
     return hmac.compare_digest(token.strip(), key.encode("utf-8"))
-
-
-async def _read_json(request, limit: int) -> Any:
-    """The request body parsed as JSON, refusing bodies over `limit` bytes (413), bodies not declared as
-    JSON (415: a web form or text/plain, which browsers send cross-site without asking) and bad JSON (400)."""
-    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if ctype != "application/json":
-        raise APIError(415, f"the body must be sent as Content-Type: application/json, got {ctype or 'none'!r:.60}",
-                       code="unsupported_media_type")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, f"Content-Length {declared!r} is not a number", code="invalid_request")
-        if int(declared) > limit:
-            raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}",
-                           code="request_too_large")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise APIError(499, "the client closed the connection while sending the request",
-                       code="client_closed_request") from None
-    return parse_body(b"".join(chunks))
-
-
-async def _next_event(state: _State, job: Job) -> tuple[str, Any]:
-    """The job's next event. A job still queued at its deadline leaves the queue (503); a running one
-    is stopped by the worker at its next step; one stuck longer than the deadline + slack gets 504."""
-    event = _ready_event(job)                 # the worker is ahead of the client: no timer, no task
-    return event if event is not None else _taken(job, await _wait_event(state, job))
-
-
-def _ready_event(job: Job) -> tuple[str, Any] | None:
-    """The job's next event if it has come, else None (no waiting)."""
-    try:
-        return _taken(job, job.events.get_nowait())
-    except asyncio.QueueEmpty:
-        return None
-
-
-def _taken(job: Job, event: tuple[str, Any]) -> tuple[str, Any]:
-    """An event the loop has read: the end marks the job finished."""
-    if event[0] == "end":
-        job.finished = True
-    return event
-
-
-async def _wait_event(state: _State, job: Job) -> tuple[str, Any]:
-    slack = 60.0 + state.config.shutdown_grace_s
-    while True:
-        now = time.monotonic()
-        until = job.deadline + 0.01 if now < job.deadline else job.deadline + slack
-        if until <= now:
-            state.scheduler.cancel(job, "timeout")
-            raise APIError(504, "generation stalled past the request's time limit", type="server_error",
-                           code="timeout")
-        try:
-            event = await job.events.get_until(until)
-        except asyncio.TimeoutError:
-            state.scheduler.expire(job)      # queued past the deadline: its end event follows
-            continue
-        return event
-
-
-async def _cancel_on_disconnect(request, scheduler: Scheduler, job: Job) -> None:
-    """Cancel the job when the client goes away (the body is read, so the next message is a disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            log.info("client disconnected; cancelling its generation")
-            scheduler.cancel(job)
-            return
-
-
-def _edgerun_field(state: _State, res: JobResult) -> dict:
-    st = res.stats
-    return {
-        "finish": res.outcome if res.outcome != "timeout" else "time_limit",
-        "max_tokens": res.max_tokens,
-        "queue_wait_s": round(res.queue_wait_s, 6),
-        "ttft_s": None if res.ttft_s is None else round(res.ttft_s, 6),
-        "t_prefill_s": round(st.t_prefill_s, 6),
-        "t_total_s": round(st.t_total_s, 6),
-        "tokens_per_s": round(st.tokens_per_s, 3),
-        "drafter": getattr(state.scheduler.runtime, "draft_name", None),
-        "n_cycles": st.n_cycles,
-        "n_drafted": st.n_drafted,
-        "n_accepted": st.n_accepted,
-        "acceptance_rate": round(st.acceptance_rate, 6),
-        "mean_accepted_per_cycle": round(st.mean_accepted_per_cycle, 6),
-        "gamma_mean": round(st.gamma_mean, 6),
-        "accept_histogram": list(st.accept_histogram),
-    }
-
-
-
 
 
 def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobResult, tools=()) -> dict:
@@ -667,9 +483,6 @@ def _full_response(state: _State, ident: str, chat: bool, text: str, res: JobRes
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
     return {**base, "object": "text_completion", "choices": [choice], "usage": usage(res),
             "edgerun": _edgerun_field(state, res)}
-
-
-
 
 
 def _tool_delta(event: tuple) -> dict:

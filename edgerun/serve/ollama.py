@@ -35,6 +35,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..constrain.tools import ToolCallStream, parse_tool_calls
 from ..errors import EdgerunError
+from . import handling
+from .clients import client_key
+from .jobs import Job
 from .protocol import (FAILED, MAX_STOP_STRINGS, APIError, _Strict, error_from_result, max_tokens_from,
                        sampling_from, stop_from, structure_from, validate)
 
@@ -283,12 +286,11 @@ def _ollama_calls(calls: list[dict]) -> list[dict]:
 
 def install(app, state) -> None:
     """Register the /api/* routes and the error reshaper on the app (create_app calls this)."""
-    from . import app as core
 
     config = state.config
 
     async def body_of(request: Request, cls):
-        return validate(cls, await core._read_json(request, config.max_body_bytes))
+        return validate(cls, await handling._read_json(request, config.max_body_bytes))
 
     @app.post("/api/chat")
     async def chat(request: Request):
@@ -296,22 +298,22 @@ def install(app, state) -> None:
         req = await body_of(request, ChatBody)
         check_model(state, req.model)
         if not req.messages:                         # Ollama: an empty chat loads the model (or unloads it)
-            core._require_ready(state)
+            handling._require_ready(state)
             return _loaded(state, req, chat=True)
-        core._require_ready(state)
+        handling._require_ready(state)
         notes: list[str] = []
-        core.check_turns(state, len(req.messages))
+        handling.check_turns(state, len(req.messages))
         messages = [_message(m, i) for i, m in enumerate(req.messages)]
-        core._check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
+        handling._check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
         options = dict(req.options or {})
         tool_choice = options.pop("tool_choice", None)        # edgerun's own option (docs/clients.md)
         sampling, max_tokens, stop = options_from(state, options, notes)
         structure, tools, _ = structure_of(req.format, req.tools, chat=True, tool_choice=tool_choice)
-        await core._vet(state, structure)
+        await handling._vet(state, structure)
         _note_rest(req, notes)
-        job = core.Job(messages=messages, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                       timeout_s=config.timeout_s, structure=structure, client=core.client_key(request.scope, config))
-        return await _answer(core, state, request, req, job, chat=True, tools=tools, notes=notes, t0=t0)
+        job = Job(messages=messages, max_tokens=max_tokens, stop=stop, sampling=sampling,
+                       timeout_s=config.timeout_s, structure=structure, client=client_key(request.scope, config))
+        return await _answer(state, request, req, job, chat=True, tools=tools, notes=notes, t0=t0)
 
     @app.post("/api/generate")
     async def generate(request: Request):
@@ -325,40 +327,40 @@ def install(app, state) -> None:
         if req.context:
             raise APIError(400, "context is not supported (this server returns none): send the conversation to "
                                 "/api/chat instead", param="context")
-        core._require_ready(state)
+        handling._require_ready(state)
         if not req.prompt and not req.system:
             return _loaded(state, req, chat=False)
         notes: list[str] = []
         sampling, max_tokens, stop = options_from(state, req.options, notes)
         structure, _, _ = structure_of(req.format, chat=False)
-        await core._vet(state, structure)
+        await handling._vet(state, structure)
         _note_rest(req, notes)
         if req.template:
             notes.append("template ignored (the model's own chat template is used)")
         if req.raw:
-            core._check_fits(state, len((req.prompt or "").encode("utf-8", "surrogatepass")), chat=False)
-            job = core.Job(prompt=req.prompt or "", max_tokens=max_tokens, stop=stop, sampling=sampling,
+            handling._check_fits(state, len((req.prompt or "").encode("utf-8", "surrogatepass")), chat=False)
+            job = Job(prompt=req.prompt or "", max_tokens=max_tokens, stop=stop, sampling=sampling,
                            timeout_s=config.timeout_s, structure=structure,
-                           client=core.client_key(request.scope, config))
+                           client=client_key(request.scope, config))
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                        [{"role": "user", "content": req.prompt or ""}]
-            core._check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
+            handling._check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
                              chat=True)
             # chat templating is how the prompt gets the model's template; structure applies to the answer
-            job = core.Job(messages=messages, max_tokens=max_tokens, stop=stop, sampling=sampling,
+            job = Job(messages=messages, max_tokens=max_tokens, stop=stop, sampling=sampling,
                            timeout_s=config.timeout_s, structure=structure,
-                           client=core.client_key(request.scope, config))
-        return await _answer(core, state, request, req, job, chat=False, tools=[], notes=notes, t0=t0)
+                           client=client_key(request.scope, config))
+        return await _answer(state, request, req, job, chat=False, tools=[], notes=notes, t0=t0)
 
     @app.get("/api/tags")
     async def tags():
-        core._require_ready(state)
+        handling._require_ready(state)
         return {"models": [_model_entry(state)]}
 
     @app.get("/api/ps")
     async def ps():
-        core._require_ready(state)
+        handling._require_ready(state)
         f = _facts(state)
         entry = _model_entry(state)
         runtime = state.scheduler.runtime
@@ -371,7 +373,7 @@ def install(app, state) -> None:
     async def show(request: Request):
         req = await body_of(request, NameBody)
         check_model(state, req.model or req.name)
-        core._require_ready(state)
+        handling._require_ready(state)
         f = _facts(state)
         runtime = state.scheduler.runtime
         tok = getattr(runtime, "tokenizer", None)
@@ -444,23 +446,23 @@ def _header(notes: list[str]) -> dict:
     return {"X-Edgerun-Options": text}
 
 
-async def _answer(core, state, request, req, job, *, chat: bool, tools, notes: list[str], t0: float):
+async def _answer(state, request, req, job, *, chat: bool, tools, notes: list[str], t0: float):
     if notes:
         log.info("%s %s: %s", request.method, request.url.path, "; ".join(notes))
     job.events.hold_s = state.config.stream_interval_ms / 1000 if req.stream else math.inf
-    first, watcher = await core.start_job(state, request, job, chat=chat)
+    first, watcher = await handling.start_job(state, request, job, chat=chat)
     handed_over = False
     try:
         if req.stream:
             handed_over = True
-            return StreamingResponse(_ndjson(core, state, job, first, watcher, req.model, chat, tools, t0),
+            return StreamingResponse(_ndjson(state, job, first, watcher, req.model, chat, tools, t0),
                                      media_type=NDJSON, headers={"Cache-Control": "no-cache",
                                                                  "X-Accel-Buffering": "no", **_header(notes)})
         texts: list[str] = []
         event = first
         while event[0] == "step":
             texts.append(event[1].text)
-            event = await core._next_event(state, job)
+            event = await handling._next_event(state, job)
         res = event[1]
         if res.outcome in FAILED:
             raise error_from_result(res, state.config.timeout_s, chat)
@@ -475,28 +477,28 @@ async def _answer(core, state, request, req, job, *, chat: bool, tools, notes: l
             body["message"] = message
         else:
             body["response"] = text
-        body.update(_final(core, state, res, t0))
+        body.update(_final(state, res, t0))
         return JSONResponse(body, headers=_header(notes))
     finally:
         if not handed_over:
-            core.release_job(state, job, watcher)
+            handling.release_job(state, job, watcher)
 
 
-def _final(core, state, res, t0: float) -> dict:
+def _final(state, res, t0: float) -> dict:
     st = res.stats
     ns = 1_000_000_000
     return {"done": True, "done_reason": res.finish_reason, "total_duration": int((time.monotonic() - t0) * ns),
             "load_duration": 0, "prompt_eval_count": res.n_prompt_tokens,
             "prompt_eval_duration": int(st.t_prefill_s * ns), "eval_count": res.n_tokens,
             "eval_duration": int(max(0.0, st.t_total_s - st.t_prefill_s) * ns),
-            "edgerun": core._edgerun_field(state, res)}
+            "edgerun": handling._edgerun_field(state, res)}
 
 
 def _line(obj: dict) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8") + b"\n"
 
 
-async def _ndjson(core, state, job, first, watcher, model: str, chat: bool, tools, t0: float) -> AsyncIterator[bytes]:
+async def _ndjson(state, job, first, watcher, model: str, chat: bool, tools, t0: float) -> AsyncIterator[bytes]:
     """One generation as Ollama's NDJSON stream: a line per token (held tokens go out in one write), tool calls
     whole in one line once their arguments are complete, then the final line with the counts."""
     reader = ToolCallStream(tools) if (chat and tools) else None
@@ -523,12 +525,12 @@ async def _ndjson(core, state, job, first, watcher, model: str, chat: bool, tool
                     text = content_of(reader.feed(text))
                 if text:
                     parts.append(piece(text))
-                event = core._ready_event(job)
+                event = handling._ready_event(job)
             if parts:
                 yield b"".join(parts)
             if event is None:
                 try:
-                    event = await core._next_event(state, job)
+                    event = await handling._next_event(state, job)
                 except APIError as err:
                     yield _line({"error": err.message})
                     return
@@ -545,10 +547,10 @@ async def _ndjson(core, state, job, first, watcher, model: str, chat: bool, tool
                 yield piece(text)
         last: dict = {"model": model, "created_at": _iso()}
         last.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-        last.update(_final(core, state, res, t0))
+        last.update(_final(state, res, t0))
         yield _line(last)
     finally:
-        core.release_job(state, job, watcher)
+        handling.release_job(state, job, watcher)
 
 
 async def _pull(name: str, stream: bool):
