@@ -97,7 +97,8 @@ def workloads() -> list[tuple[str, list[dict], dict]]:
         out.append((f"json{i + 1}", [{"role": "user", "content": "Extract the team and its people as JSON.\n\n"
                                                                  + text}], {"json_schema": PEOPLE}))
     for i, ask in enumerate(ASKS):
-        out.append((f"tool{i + 1}", [{"role": "user", "content": ask}], {"tools": TOOLS, "tool_choice": "required"}))
+        out.append((f"tool{i + 1}", [{"role": "user", "content": ask}],
+                    {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}))
     return out
 
 
@@ -178,8 +179,8 @@ def main() -> None:
                                                    "tokens": st.n_tokens, "n_forced": st.n_forced,
                                                    "finish": st.finish_reason})
                         answers.setdefault(name, {})[mode] = out
-                    print(f"round {r + 1} {key} {name}: on {timing[name]['on'][-1]['tok_s']:.1f} tok/s, "
-                          f"off {timing[name]['off'][-1]['tok_s']:.1f}", file=sys.stderr)
+                        print(f"round {r + 1} {key} {name} {mode}: {st.n_tokens} tokens ({st.n_forced} forced), "
+                              f"{st.tokens_per_s:.1f} tok/s, {st.t_total_s:.2f} s", file=sys.stderr, flush=True)
             for name, msgs, structure in workloads():
                 plan = rt.plan_chat(msgs, **structure)
                 cls = classify(rt, plan, answers[name]["on"])
