@@ -40,7 +40,7 @@ def precheck(config: ServerConfig) -> None:
 
         require_all(status(parse_endpoints(config.rpc)))
     for spec in (config.model, config.draft):
-        if spec in (None, "auto", "none", "lookup"):
+        if spec in (None, "auto", "none", "lookup", "suffix"):
             continue
         try:
             resolve_model(spec, pull=False)

@@ -314,7 +314,7 @@ class PromptLookupDrafter:
 
 def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs | None = None,
                  spec_args: SpeculativeArgs | None = None, pull: bool = True) -> Drafter | None:
-    """'none' / None -> no drafter; 'lookup' -> PromptLookupDrafter; otherwise a model name from the
+    """'none' / None -> no drafter; 'lookup' -> PromptLookupDrafter; 'suffix' -> SuffixDrafter; otherwise a model name from the
     registry or a path to a model file, loaded on the backend that fits it and checked against
     the target's vocabulary."""
     spec_args = spec_args or SpeculativeArgs()
@@ -322,6 +322,10 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
         return None
     if spec == "lookup":
         return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
+    if spec == "suffix":                         # suffix lookup (spec/suffix.py): the longest earlier match
+        from .suffix import SuffixDrafter
+
+        return SuffixDrafter()
     from ..backends import open_backend
     from ..registry.cache import resolve_model
 
