@@ -4,8 +4,9 @@ The automaton (Blumer et al.; one state per right-equivalence class, built onlin
 token) holds every substring of the tokens seen. After token i the state reached by the whole text has a
 suffix link to the state of the longest suffix that also ends earlier: its length is the longest match of
 the context's end anywhere before, read in O(1) (no n-gram size to choose, no hashing of 1-3 token keys),
-and the state's first end position says where to copy the continuation from. The draft is what followed
-that first occurrence, overlapping into the current text where the copy runs into it (periodic text).
+and the state's end position (its most recent occurrence where that is O(1) to keep) says where to copy
+the continuation from. The draft is what followed
+that occurrence, overlapping into the current text where the copy runs into it (periodic text).
 
 The hint class is the match length's (1, 2, 3-4, 5-8, 9-16, 17+), as PromptLookupDrafter's, so the gamma
 tuner learns the acceptance per class and sets the draft length from the match length and the past
@@ -26,25 +27,26 @@ from ..constrain.base import Constraint
 class SuffixAutomaton:
     """The suffix automaton of a token sequence, extended one token at a time."""
 
-    __slots__ = ("next", "link", "length", "first_end", "last", "tokens")
+    __slots__ = ("next", "link", "length", "end", "last", "tokens", "_match")
 
     def __init__(self) -> None:
         self.next: list[dict[int, int]] = [{}]   # state -> {token: state}
         self.link = [-1]                         # suffix link
         self.length = [0]                        # longest string of the state
-        self.first_end = [-1]                    # index of the last token of its first occurrence
+        self.end = [-1]                          # index of the last token of an occurrence (a recent one)
         self.last = 0                            # the state of the whole text
         self.tokens: list[int] = []
+        self._match = (0, -1)
 
     def extend(self, tok: int) -> None:
-        nxt, link, length, first = self.next, self.link, self.length, self.first_end
+        nxt, link, length, end = self.next, self.link, self.length, self.end
         i = len(self.tokens)
         self.tokens.append(tok)
         cur = len(nxt)
         nxt.append({})
         link.append(0)
         length.append(length[self.last] + 1)
-        first.append(i)
+        end.append(i)
         p = self.last
         while p != -1 and tok not in nxt[p]:
             nxt[p][tok] = cur
@@ -58,20 +60,24 @@ class SuffixAutomaton:
                 nxt.append(dict(nxt[q]))
                 link.append(link[q])
                 length.append(length[p] + 1)
-                first.append(first[q])
+                end.append(end[q])
                 while p != -1 and nxt[p].get(tok) == q:
                     nxt[p][tok] = clone
                     p = link[p]
                 link[q] = link[cur] = clone
         self.last = cur
+        # the match: link[cur], the longest suffix that ended before; its end is then moved to i, so that the
+        # state, matched again later, copies from this most recent occurrence (the states further up the
+        # suffix links keep an older one: O(1) per token, recency only where it is cheap)
+        s = link[cur]
+        self._match = (length[s], end[s]) if s > 0 else (0, -1)
+        if s > 0:
+            end[s] = i
 
     def match(self) -> tuple[int, int]:
         """(length, end) of the longest suffix of the text that also ends before its last token: end is the
-        index of its first occurrence's last token (-1 and length 0 where nothing repeats)."""
-        s = self.link[self.last]
-        if s <= 0:
-            return 0, -1
-        return self.length[s], self.first_end[s]
+        index of an earlier occurrence's last token (-1 and length 0 where nothing repeats)."""
+        return self._match
 
 
 class SuffixDrafter:
