@@ -5,8 +5,8 @@ token) holds every substring of the tokens seen. After token i the state reached
 suffix link to the state of the longest suffix that also ends earlier: its length is the longest match of
 the context's end anywhere before, read in O(1) (no n-gram size to choose, no hashing of 1-3 token keys),
 and the state's end position (its most recent occurrence where that is O(1) to keep) says where to copy
-the continuation from. The draft is what followed
-that occurrence, overlapping into the current text where the copy runs into it (periodic text).
+the continuation from. The draft is what followed that occurrence, overlapping into the current text where
+the copy runs into it (periodic text).
 
 The hint class is the match length's (1, 2, 3-4, 5-8, 9-16, 17+), as PromptLookupDrafter's, so the gamma
 tuner learns the acceptance per class and sets the draft length from the match length and the past
