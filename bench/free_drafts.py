@@ -176,11 +176,13 @@ def main() -> None:
                         rt.reset()                          # no cached prefix: each run prefills the same
                         out, st = one(rt, msgs, structure, a.tokens, mode == "on")
                         timing[name][mode].append({"tok_s": st.tokens_per_s, "answer_s": st.t_total_s,
+                                                   "prefill_s": st.t_prefill_s,
                                                    "tokens": st.n_tokens, "n_forced": st.n_forced,
                                                    "finish": st.finish_reason})
                         answers.setdefault(name, {})[mode] = out
                         print(f"round {r + 1} {key} {name} {mode}: {st.n_tokens} tokens ({st.n_forced} forced), "
-                              f"{st.tokens_per_s:.1f} tok/s, {st.t_total_s:.2f} s", file=sys.stderr, flush=True)
+                              f"{st.tokens_per_s:.1f} tok/s, {st.t_total_s:.2f} s ({st.t_prefill_s:.2f} s prefill)",
+                              file=sys.stderr, flush=True)
             for name, msgs, structure in workloads():
                 plan = rt.plan_chat(msgs, **structure)
                 cls = classify(rt, plan, answers[name]["on"])
@@ -191,6 +193,7 @@ def main() -> None:
                     "finish": on[-1]["finish"], "n_forced_loop": on[-1]["n_forced"],
                     "tok_s_on": med(on, "tok_s"), "tok_s_off": med(off, "tok_s"),
                     "answer_s_on": med(on, "answer_s"), "answer_s_off": med(off, "answer_s"),
+                    "prefill_s_on": med(on, "prefill_s"), "prefill_s_off": med(off, "prefill_s"),
                     "text": rt.tokenizer.detokenize(answers[name]["on"]).decode("utf-8", "replace")}
         finally:
             rt.close()
