@@ -240,7 +240,8 @@ def generate(
     releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
     if constraint is not None:
         constraint.reset()
-    forced_token = getattr(constraint, "forced_token", None) if constraint is not None else None
+    # optional Constraint methods (GrammarConstraint): forced_token() and is_end(token)
+    forced_token = getattr(constraint, "forced_token", None) if hasattr(constraint, "is_end") else None
     if forced_runs is False or (forced_runs is None and not FORCED_RUNS):
         forced_token = None
 
@@ -278,8 +279,8 @@ def generate(
         budget = min(limit, target.n_ctx + 1) - len(committed) - n_new
         while len(run) < budget:
             tok = forced_token()
-            if tok is None:
-                break
+            if tok is None or (not is_eog(tok) and constraint.is_end(tok)):
+                break                                  # a choice, or an end this loop's is_eog does not end on
             run.append(tok)
             if is_eog(tok):
                 break

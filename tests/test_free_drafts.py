@@ -26,6 +26,7 @@ from edgerun.backends.reference import ReferenceBackend
 from edgerun.config import SamplingArgs
 from edgerun.constrain.grammar import Grammar, GrammarConstraint
 from edgerun.constrain.tools import parse_tool_choice, parse_tools, tool_grammar
+from edgerun.errors import InvalidArgument
 from edgerun.generate import GenStats, generate
 from edgerun.spec.drafters import ModelDrafter, PromptLookupDrafter
 from edgerun.spec.gamma import FixedGamma
@@ -336,3 +337,16 @@ def test_a_choice_taken_as_forced_fails_the_same_test(peaked_setup, setting, mon
     wrong, n_forced = sample_law(target, None, prompt, sampling, grammar, N_SAMPLES // 2, seed=5, keys=keys)
     assert n_forced > 0 and wrong[-1] == 0
     assert chisquare_pooled(wrong, expected) < P_FAIL
+
+
+def test_an_end_the_loop_does_not_end_on_is_not_forced(ref):
+    """With an is_eog that leaves out the grammar's ends, a complete grammar's only tokens are not taken as a
+    forced end (the loop samples as before: here it runs to max_tokens on the end it does not stop at)."""
+    target, _ = ref
+    tok = target.tokenizer
+    c = GrammarConstraint(Grammar.regex(r"kx"), tok, target.n_vocab)
+    prompt = tok.tokenize("Hello")
+    steps = list(generate(target, prompt, GREEDY, max_tokens=2, constraint=c, is_eog=lambda t: False))
+    assert [s.forced for s in steps] == [True, True]
+    with pytest.raises(InvalidArgument):    # the third: an end sampled as before, which the grammar does not consume
+        list(generate(target, prompt, GREEDY, max_tokens=3, constraint=c, is_eog=lambda t: False))

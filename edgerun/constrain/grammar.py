@@ -292,6 +292,10 @@ class GrammarConstraint:
                 return int(allowed[0])
         return None
 
+    def is_end(self, token: int) -> bool:
+        """Whether the token is one of the end-of-generation tokens the grammar allows only where it accepts."""
+        return int(token) in self._eog
+
     def ff_tokens(self) -> list[int]:
         """llguidance's fast-forward tokens: a tokenization of the bytes the grammar forces next. Not
         certain under the masked target (the model may spell the same bytes with other tokens, or a
