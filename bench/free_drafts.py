@@ -24,7 +24,6 @@ on and off (checked: 'same').
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
