@@ -13,11 +13,18 @@ With a constraint (a grammar), every verified position's logits are masked with 
 after the tokens before it, for the drafter (while drafting, which advances the constraint over the
 drafts) and for the target alike; the rejected drafts are rolled back out of the constraint with
 the KV cache, so after every cycle it holds exactly the committed tokens.
+
+Forced runs (docs/free_drafts.md): where the grammar's mask allows exactly one token after a committed
+token, that token has probability 1 under the masked target: it is committed at once, with no logits and
+no sampling, and so are the ones forced after it. The target cache then lags the committed tokens by the
+run: the next cycle evaluates [pending, *run, *draft] in one call that asks for logits at the last
+gamma + 1 positions only. In general the cache holds a prefix of `committed[:-1]` between cycles.
 """
 
 from __future__ import annotations
 
 import codecs
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
@@ -28,7 +35,7 @@ from .backends.base import Backend, common_prefix
 from .config import SamplingArgs
 from .constrain.base import Constraint, apply_mask
 from .errors import BackendError, ContextOverflow, InvalidArgument
-from .speculative.gamma import FixedGamma, GammaPolicy
+from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .speculative.sampling import dist, greedy_token, penalised
 from .speculative.verify import verify, verify_greedy
 
@@ -47,6 +54,12 @@ class Step:
     n_accepted: int      # drafted tokens accepted in that cycle
     t_draft: float
     t_verify: float
+    forced: bool = False  # True: the grammar allowed only this token (appended unsampled, docs/free_drafts.md)
+
+
+# Forced runs are on by default. EDGERUN_FORCED_RUNS=0 (or generate(forced_runs=False)) turns them off: an
+# internal switch for benchmarks and tests that compare against the token-by-token path, not a user setting.
+FORCED_RUNS = os.environ.get("EDGERUN_FORCED_RUNS", "1") != "0"
 
 
 @dataclass
@@ -66,6 +79,8 @@ class GenStats:
     t_verify_s: float = 0.0
     accept_histogram: list[int] = field(default_factory=list)   # [k] = cycles that accepted k drafted tokens
     finish_reason: str | None = None                            # 'stop' | 'eos' | 'length'
+    n_forced: int = 0            # tokens committed from forced runs (the grammar allowed only them)
+    n_forced_runs: int = 0       # forced runs (maximal: a run ends where the grammar allows a choice)
 
     @property
     def tokens_per_s(self) -> float:
@@ -108,7 +123,8 @@ class GenStats:
     def merge(self, other: "GenStats") -> None:
         """Accumulate another generation's counts (for session-wide /stats and /metrics)."""
         for name in ("n_prompt_tokens", "n_tokens", "t_prefill_s", "t_total_s", "n_cycles", "n_drafted",
-                     "n_accepted", "n_rejected", "gamma_sum", "t_draft_s", "t_verify_s"):
+                     "n_accepted", "n_rejected", "gamma_sum", "t_draft_s", "t_verify_s", "n_forced",
+                     "n_forced_runs"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         h = other.accept_histogram
         if len(self.accept_histogram) < len(h):
@@ -134,9 +150,10 @@ class _TextReleaser:
         self._held: list[Step] = []          # held back, each with its token's whole decoded text
 
     def push(self, token: int, from_draft: bool, gamma: int, n_accepted: int, t_draft: float,
-             t_verify: float) -> tuple[list[Step], bool]:
+             t_verify: float, forced: bool = False) -> tuple[list[Step], bool]:
         """Add a token; return (steps now released, stop string hit)."""
-        step = Step(token, self._utf8.decode(self._detok(token)), from_draft, gamma, n_accepted, t_draft, t_verify)
+        step = Step(token, self._utf8.decode(self._detok(token)), from_draft, gamma, n_accepted, t_draft, t_verify,
+                    forced)
         if not self._stop:
             return [step], False
         self._held.append(step)
@@ -166,6 +183,19 @@ class _TextReleaser:
         return out
 
 
+def _observe(policy: GammaPolicy, gamma: int, n_acc: int, t_draft: float, t_verify: float, times: bool) -> None:
+    """policy.observe; times=False: the cycle's evaluation also held a forced run, so its time is not the
+    gamma + 1 positions' the tuner prices (it learns the counts only)."""
+    if times:
+        policy.observe(gamma, n_acc, t_draft, t_verify)
+    elif isinstance(policy, GammaTuner):
+        policy.observe(gamma, n_acc, t_draft, t_verify, times=False)
+    elif isinstance(policy, BatchedGamma):
+        policy.tuner.observe(gamma, n_acc, t_draft, t_verify, times=False)
+    else:
+        policy.observe(gamma, n_acc, t_draft, t_verify)
+
+
 def generate(
     target: Backend,
     prompt_tokens: Sequence[int],
@@ -179,13 +209,16 @@ def generate(
     stats: GenStats | None = None,
     is_eog: Callable[[int], bool] | None = None,
     constraint: Constraint | None = None,
+    forced_runs: bool | None = None,
 ) -> Iterator[Step]:
     """Generate up to max_tokens tokens after prompt_tokens, yielding one Step per committed token.
 
     drafter: None (plain decoding) or a Drafter (speculative/drafters.py). policy: chooses gamma per cycle
     (speculative/gamma.py: FixedGamma or GammaTuner); ignored without a drafter. is_eog(token) -> bool ends
     generation (default: the tokenizer's end-of-generation tokens). constraint: a grammar the output
-    must follow (constrain/); it is reset here and follows this generation's tokens.
+    must follow (constrain/); it is reset here and follows this generation's tokens. forced_runs: None (the
+    default, FORCED_RUNS: on) or False to evaluate grammar-forced tokens one by one like any other (an
+    internal switch for benchmarks and tests; the output is the same either way).
     """
     if max_tokens < 0:
         raise InvalidArgument(f"max_tokens must be >= 0, got {max_tokens}")
@@ -207,29 +240,54 @@ def generate(
     releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
     if constraint is not None:
         constraint.reset()
+    # optional Constraint methods (GrammarConstraint): forced_token() and is_end(token)
+    forced_token = getattr(constraint, "forced_token", None) if hasattr(constraint, "is_end") else None
+    if forced_runs is False or (forced_runs is None and not FORCED_RUNS):
+        forced_token = None
 
     t_start = time.perf_counter()
     committed = list(prompt_tokens)            # committed[-1] is `pending`: not yet in the target cache
     limit = len(committed) + max_tokens        # len(committed) once max_tokens are generated
     stats.n_prompt_tokens = len(committed)
 
-    def commit(new: list[int], n_acc: int, gamma: int, t_draft: float,
-               t_verify: float) -> Generator[Step, None, str | None]:
-        """Commit a cycle's tokens (its n_acc accepted drafts, then the target's token), yield the Steps
-        the releaser lets out, and return why generation ends ('eos' | 'stop' | 'length'; None: go on)."""
+    def commit(new: list[int], n_acc: int, gamma: int, t_draft: float, t_verify: float,
+               n_forced: int = 0) -> Generator[Step, None, str | None]:
+        """Commit a cycle's tokens (its n_acc accepted drafts, then the target's token, then the n_forced
+        tokens of the forced run after it), yield the Steps the releaser lets out, and return why generation
+        ends ('eos' | 'stop' | 'length'; None: go on)."""
+        first_forced = len(new) - n_forced
         for i, tok in enumerate(new):
             committed.append(tok)
             if is_eog(tok):
                 return "eos"
             stats.n_tokens += 1
+            stats.n_forced += i >= first_forced
             steps, hit = releaser.push(tok, i < n_acc, gamma, n_acc,       # the cycle's times ride on its first Step
-                                       t_draft if i == 0 else 0.0, t_verify if i == 0 else 0.0)
+                                       t_draft if i == 0 else 0.0, t_verify if i == 0 else 0.0, i >= first_forced)
             yield from steps
             if hit:
                 return "stop"
             if len(committed) >= limit:
                 return "length"
         return None
+
+    def forced_run(n_new: int) -> list[int]:
+        """The tokens the grammar forces after the constraint's tokens, consumed into it (an end-of-generation
+        token last, not consumed), at most as many as may be committed after n_new more tokens: within
+        max_tokens, and within the context plus the one token the old path could sample at its last position."""
+        run: list[int] = []
+        budget = min(limit, target.n_ctx + 1) - len(committed) - n_new
+        while len(run) < budget:
+            tok = forced_token()
+            if tok is None or (not is_eog(tok) and constraint.is_end(tok)):
+                break                                  # a choice, or an end this loop's is_eog does not end on
+            run.append(tok)
+            if is_eog(tok):
+                break
+            constraint.consume(tok)
+        if run:
+            stats.n_forced_runs += 1
+        return run
 
     # plain decoding on a backend that can evaluate in the background (a lone sequence of a batching group):
     # the next token's evaluation starts before this one's Steps are yielded, so what the consumer does with
@@ -250,6 +308,12 @@ def generate(
 
         finish = None
         last = None                                    # the target's logits at the last verified position
+        n_tail = 1                                     # positions before the drafts: pending and a forced run
+        if forced_token is not None:                   # the grammar may force the answer's first tokens
+            run = forced_run(0)
+            if run:
+                n_tail += len(run)
+                finish = yield from commit(run, 0, 0, 0.0, 0.0, len(run))
         while finish is None:
             room = target.n_ctx - len(committed)       # cache slots left for drafts once pending goes in
             if room < 0:
@@ -270,7 +334,8 @@ def generate(
             if ahead is not None:
                 logits, ahead = ahead(), None
             else:
-                logits = target.eval([committed[-1], *draft])            # [gamma + 1, V]
+                # pending and a forced run committed after it (no forced run: committed[-1:]), then the drafts
+                logits = target.eval([*committed[target.n_past:], *draft], n_logits=gamma + 1)   # [gamma + 1, V]
             if constraint is not None:         # position i: the grammar state after committed + draft[:i]
                 logits = [apply_mask(logits[i], constraint.mask_at(base + i)) for i in range(gamma + 1)]
 
@@ -293,17 +358,24 @@ def generate(
             # to drop when every draft was accepted, as in every plain cycle: no call into the backend)
             if n_acc < gamma:
                 target.truncate(len(committed) + n_acc)
+            run: list[int] = []
             if constraint is not None:
                 constraint.rollback(gamma - n_acc)
                 if not is_eog(nxt):
                     constraint.consume(nxt)
-            if (begin_eval is not None and gamma == 0 and not is_eog(nxt) and len(committed) + 1 < limit
-                    and len(committed) + 1 <= target.n_ctx):
-                # the next cycle evaluates [nxt] unless a stop string ends it (then the finally rolls it back)
-                ahead = begin_eval([nxt])
-            policy.observe(gamma, n_acc, t1 - t0, t2 - t1)
+                    if forced_token is not None:
+                        run = forced_run(n_acc + 1)
+            new = [*draft[:n_acc], nxt, *run]
+            n_after = len(committed) + len(new)
+            if (begin_eval is not None and gamma == 0 and not is_eog(new[-1]) and n_after < limit
+                    and n_after <= target.n_ctx):
+                # the next cycle evaluates [nxt, *run] unless a stop string ends it (then the finally rolls it
+                # back); it needs logits at the last position only
+                ahead = begin_eval([nxt, *run], n_logits=1)
+            _observe(policy, gamma, n_acc, t1 - t0, t2 - t1, times=n_tail == 1)
+            n_tail = 1 + len(run)
             stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
-            finish = yield from commit([*draft[:n_acc], nxt], n_acc, gamma, t1 - t0, t2 - t1)
+            finish = yield from commit(new, n_acc, gamma, t1 - t0, t2 - t1, len(run))
         stats.finish_reason = finish
         if finish != "stop":
             yield from releaser.flush()

@@ -391,7 +391,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     if draft == "auto":
         draft = auto_draft(str(model))      # a hub model: a drafter of the same vocabulary, else lookup
     draft_path = None
-    if draft not in (None, "none", "lookup"):
+    if draft not in (None, "none", "lookup", "suffix"):
         draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))
     target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)

@@ -292,6 +292,35 @@ class GrammarConstraint:
         self._m.reset()
         self.tokens, self._masks = [], [None]
 
+    # -- forced tokens (docs/free_drafts.md) ------------------------------------------------------
+    def forced_token(self) -> int | None:
+        """The token the grammar forces next, or None. Forced: the mask allows exactly that one token, so it
+        has probability 1 under the masked target whatever the model's logits (any temperature, top-k/p,
+        penalty): the decode loop appends it with no evaluation and no sampling. Where the mask allows only
+        end-of-generation tokens, the first of them (the generation ends whichever is drawn). The mask is the
+        one the next position needs anyway (cached): the test costs one count over it."""
+        m = self.mask()
+        n = int(np.count_nonzero(m))
+        if n == 1:
+            return int(m.argmax())
+        if n <= len(self._eog):
+            allowed = np.flatnonzero(m)
+            if all(int(t) in self._eog for t in allowed):
+                return int(allowed[0])
+        return None
+
+    def is_end(self, token: int) -> bool:
+        """Whether the token is one of the end-of-generation tokens the grammar allows only where it accepts."""
+        return int(token) in self._eog
+
+    def ff_tokens(self) -> list[int]:
+        """llguidance's fast-forward tokens: a tokenization of the bytes the grammar forces next. Not
+        certain under the masked target (the model may spell the same bytes with other tokens, or a
+        longer token may start with them), so they may enter only as a point-mass draft that the target
+        verifies; the first of them is certain only where forced_token() says so."""
+        self._check()
+        return [int(t) for t in self._m.compute_ff_tokens()]
+
 
 def _matcher(grammar: Grammar, v: _Vocab):
     """llguidance's matcher of `grammar` under `parser_limits` (GrammarError if it does not compile)."""

@@ -120,7 +120,7 @@ class _State:
         from ..registry.manifest import get_manifest
 
         for name in (self.config.model, draft_name):
-            if not name or "@" in name or name in ("auto", "none", "lookup"):
+            if not name or "@" in name or name in ("auto", "none", "lookup", "suffix"):
                 continue
             try:
                 get_manifest(name)

@@ -43,7 +43,7 @@ def precheck(config: ServerConfig) -> None:
     if config.rpc:                     # the workers answer and speak our protocol (asked in a child process)
         require_all(status(parse_endpoints(config.rpc)))
     for spec in (config.model, config.draft):
-        if spec in (None, "auto", "none", "lookup"):
+        if spec in (None, "auto", "none", "lookup", "suffix"):
             continue
         try:
             resolve_model(spec, pull=False)

@@ -34,6 +34,7 @@ from ..constrain.base import Constraint, apply_mask
 from ..errors import InvalidArgument, VocabMismatch
 from ..tokenizer import is_padding
 from .sampling import Dist, dist, greedy_token
+from .suffix import SuffixDrafter
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,7 @@ class PromptLookupDrafter:
 
 def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs | None = None,
                  spec_args: SpeculativeArgs | None = None, pull: bool = True) -> Drafter | None:
-    """'none' / None -> no drafter; 'lookup' -> PromptLookupDrafter; otherwise a model name from the
+    """'none' / None -> no drafter; 'lookup' -> PromptLookupDrafter; 'suffix' -> SuffixDrafter; otherwise a model name from the
     registry or a path to a model file, loaded on the backend that fits it and checked against
     the target's vocabulary."""
     spec_args = spec_args or SpeculativeArgs()
@@ -322,6 +323,9 @@ def make_drafter(spec: str | None, target: Backend, *, backend_args: BackendArgs
         return None
     if spec == "lookup":
         return PromptLookupDrafter(spec_args.lookup_ngram_max, spec_args.lookup_ngram_min)
+    if spec == "suffix":                         # suffix lookup (speculative/suffix.py): the longest earlier match
+
+        return SuffixDrafter()
     from ..backends import open_backend
     from ..resolve import resolve_model
 

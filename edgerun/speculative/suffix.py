@@ -1,0 +1,140 @@
+"""Suffix lookup: a model-free drafter over a suffix automaton of the request's tokens (prompt + output).
+
+The automaton (Blumer et al.; one state per right-equivalence class, built online in amortised O(1) per
+token) holds every substring of the tokens seen. After token i the state reached by the whole text has a
+suffix link to the state of the longest suffix that also ends earlier: its length is the longest match of
+the context's end anywhere before, read in O(1) (no n-gram size to choose, no hashing of 1-3 token keys),
+and the state's end position (its most recent occurrence where that is O(1) to keep) says where to copy
+the continuation from. The draft is what followed that occurrence, overlapping into the current text where
+the copy runs into it (periodic text).
+
+The hint class is the match length's (1, 2, 3-4, 5-8, 9-16, 17+), as PromptLookupDrafter's, so the gamma
+tuner learns the acceptance per class and sets the draft length from the match length and the past
+acceptance (spec/gamma.py). Within one request only: the context must grow by appending (one decode
+loop's `committed`), anything else rebuilds the automaton (O(n), once per request).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..config import SamplingArgs
+from ..constrain.base import Constraint
+
+
+class SuffixAutomaton:
+    """The suffix automaton of a token sequence, extended one token at a time."""
+
+    __slots__ = ("next", "link", "length", "end", "last", "tokens", "_match")
+
+    def __init__(self) -> None:
+        self.next: list[dict[int, int]] = [{}]   # state -> {token: state}
+        self.link = [-1]                         # suffix link
+        self.length = [0]                        # longest string of the state
+        self.end = [-1]                          # index of the last token of an occurrence (a recent one)
+        self.last = 0                            # the state of the whole text
+        self.tokens: list[int] = []
+        self._match = (0, -1)
+
+    def extend(self, tok: int) -> None:
+        nxt, link, length, end = self.next, self.link, self.length, self.end
+        i = len(self.tokens)
+        self.tokens.append(tok)
+        cur = len(nxt)
+        nxt.append({})
+        link.append(0)
+        length.append(length[self.last] + 1)
+        end.append(i)
+        p = self.last
+        while p != -1 and tok not in nxt[p]:
+            nxt[p][tok] = cur
+            p = link[p]
+        if p != -1:
+            q = nxt[p][tok]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:                                # split q: a clone keeps the shorter strings
+                clone = len(nxt)
+                nxt.append(dict(nxt[q]))
+                link.append(link[q])
+                length.append(length[p] + 1)
+                end.append(end[q])
+                while p != -1 and nxt[p].get(tok) == q:
+                    nxt[p][tok] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
+        # the match: link[cur], the longest suffix that ended before; its end is then moved to i, so that the
+        # state, matched again later, copies from this most recent occurrence (the states further up the
+        # suffix links keep an older one: O(1) per token, recency only where it is cheap)
+        s = link[cur]
+        self._match = (length[s], end[s]) if s > 0 else (0, -1)
+        if s > 0:
+            end[s] = i
+
+    def match(self) -> tuple[int, int]:
+        """(length, end) of the longest suffix of the text that also ends before its last token: end is the
+        index of an earlier occurrence's last token (-1 and length 0 where nothing repeats)."""
+        return self._match
+
+
+class SuffixDrafter:
+    """Drafts the continuation of the longest earlier match of the context's end (a point mass)."""
+
+    name = "suffix"
+    vocab_fingerprint = None
+    weight_bytes = 0
+    n_classes = 6
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._ctx: Sequence[int] | None = None
+        self._sa = SuffixAutomaton()
+
+    def _sync(self, context: Sequence[int]) -> None:
+        sa = self._sa
+        n0 = len(sa.tokens)
+        if not (context is self._ctx and len(context) >= n0 and (n0 == 0 or context[n0 - 1] == sa.tokens[-1])):
+            self._ctx, self._sa, n0 = context, SuffixAutomaton(), 0
+            sa = self._sa
+        for t in context[n0:]:
+            sa.extend(int(t))
+
+    def _match(self, context: Sequence[int]) -> tuple[int, int]:
+        self._sync(context)
+        return self._sa.match()
+
+    def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None:
+        k, _ = self._match(context)
+        if k == 0:
+            return None
+        return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
+
+    def lag(self, context: Sequence[int]) -> int:
+        return 0
+
+    def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
+                rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], None]:
+        if gamma <= 0:
+            return [], None
+        k, end = self._match(context)
+        if k == 0:
+            return [], None
+        toks, L, start = self._sa.tokens, len(context), end + 1
+        out = list(toks[start:start + gamma])
+        while len(out) < gamma:                  # the copy runs into the end: continue with its own output
+            out.append(out[len(out) - (L - start)])
+        if constraint is not None:               # a point mass: cut at the first forbidden token
+            for i, x in enumerate(out):
+                if not constraint.continuing_mask()[x]:
+                    del out[i:]
+                    break
+                constraint.consume(x)
+        return out, None
+
+    def close(self) -> None:
+        self.reset()
