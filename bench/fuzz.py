@@ -70,13 +70,13 @@ def fork_cost(rt, n: int = 12) -> dict:
         g = Grammar.json_schema({"type": "object", "properties": {f"k{i}_{time.time_ns()}": {"type": "integer"},
                                                                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}}}})
         t = time.perf_counter()
-        sandbox.vet(g.source, g.what, lambda: _trial(g, v))
+        sandbox.vet(g.source, g.what, v.trial)
         first.append(time.perf_counter() - t)
         t = time.perf_counter()
         _trial(g, v)
         inproc.append(time.perf_counter() - t)
         t = time.perf_counter()
-        sandbox.vet(g.source, g.what, lambda: _trial(g, v))
+        sandbox.vet(g.source, g.what, v.trial)
         again.append(time.perf_counter() - t)
     return {"first_check_ms": statistics.median(first) * 1e3, "in_process_ms": statistics.median(inproc) * 1e3,
             "remembered_us": statistics.median(again) * 1e6, "n": n}

@@ -461,7 +461,7 @@ def test_a_grammar_that_crashes_llguidance_is_refused_and_the_process_lives(tiny
     with pytest.raises(GrammarError, match="crashes the grammar compiler"):
         tiny_runtime.constraint(grammar=chain)
     with pytest.raises(GrammarError, match="crashes the grammar compiler"):      # remembered: no second fork
-        sandbox.vet(_grammar_source(chain), "the Lark grammar", lambda: pytest.fail("ran again"))
+        sandbox.vet(_grammar_source(chain), "the Lark grammar", lambda source, what: pytest.fail("ran again"))
 
 
 def _grammar_source(text: str) -> str:

@@ -180,6 +180,8 @@ class _Vocab:
         allowed[self.eog] = True
         self.allowed = allowed
         self.n_vocab = n_vocab
+        # what the grammar sandbox runs for a grammar over this vocabulary (one object: it keys its zygote)
+        self.trial = lambda source, what: _trial(Grammar("grammar", source, what), self)
 
 
 _vocab_lock = threading.Lock()       # the server's request threads and its worker may both ask first
@@ -213,7 +215,7 @@ class GrammarConstraint:
         n_vocab = n_vocab or tokenizer.n_vocab
         self._v = _vocab(tokenizer, n_vocab)
         self.grammar = grammar
-        sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, self._v))
+        sandbox.vet(grammar.source, grammar.what, self._v.trial)
         self._m = _matcher(grammar, self._v)
         self.n_vocab = n_vocab
         self.tokens: list[int] = []
@@ -374,7 +376,7 @@ def vet_grammar(grammar: Grammar | None, tokenizer, n_vocab: int | None = None) 
     """The sandbox's verdict on `grammar` for this vocabulary (GrammarError if refused), remembered."""
     if grammar is not None:
         v = _vocab(tokenizer, n_vocab or tokenizer.n_vocab)
-        sandbox.vet(grammar.source, grammar.what, lambda: _trial(grammar, v))
+        sandbox.vet(grammar.source, grammar.what, v.trial)
 
 
 def _within_budget(grammar: Grammar, spent: float) -> None:

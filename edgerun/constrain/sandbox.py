@@ -15,12 +15,15 @@ static limits and llguidance's own limits are the only guard.
 from __future__ import annotations
 
 import faulthandler
+import contextlib
 import hashlib
+import json
 import logging
 import os
 import resource
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -47,9 +50,11 @@ def available() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork")
 
 
-def vet(source: str, what: str, trial: Callable[[], None]) -> None:
-    """Run `trial` (compile `source` and compute a few masks) in a child process, unless this source
-    passed before. Raises GrammarError when the child fails, crashes, or takes longer than BUDGET_S."""
+def vet(source: str, what: str, trial: Callable[[str, str], None]) -> None:
+    """Run trial(source, what) (compile the grammar and compute a few masks) in a sandbox process, unless
+    this source was vetted before. Raises GrammarError when it fails, crashes, or runs out of time. `trial`
+    is one per vocabulary (grammar.py's `_Vocab.trial`): the sandbox processes are forked from a zygote made
+    for it."""
     if not available():
         return
     key = hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
@@ -60,7 +65,7 @@ def vet(source: str, what: str, trial: Callable[[], None]) -> None:
             refusal = _verdicts[key]
     if not known:
         with _one_child:
-            refusal = _run(what, trial)
+            refusal = _zygote_for(trial).ask(source, what)
         with _lock:
             _verdicts[key] = refusal
             while len(_verdicts) > _REMEMBERED:
@@ -69,16 +74,125 @@ def vet(source: str, what: str, trial: Callable[[], None]) -> None:
         raise GrammarError(refusal)
 
 
+# --- the zygote ----------------------------------------------------------------------------------------
+# The server forks once, into a single-threaded zygote that holds the vocabulary; each new grammar is then
+# compiled in a child of the zygote. Forking the server itself for every grammar would mark its memory
+# copy-on-write each time: its KV cache and compute buffers would fault page by page while a child lives
+# (a flood of new grammars slowed everyone's decoding about 2x in bench/hostile.py).
+
+_zygotes: dict[int, "_Zygote"] = {}
+
+
+def _zygote_for(trial: Callable[[str, str], None]) -> "_Zygote":
+    z = _zygotes.get(id(trial))
+    if z is None or not z.alive():
+        z = _zygotes[id(trial)] = _Zygote(trial)
+    return z
+
+
+class _Zygote:
+    def __init__(self, trial: Callable[[str, str], None]) -> None:
+        self.trial = trial                          # kept: its id keys _zygotes
+        req_r, self._req_w = os.pipe()
+        self._ans_r, ans_w = os.pipe()
+        with warnings.catch_warnings():            # 3.12+ warns about fork with threads: the zygote runs one
+            warnings.simplefilter("ignore", DeprecationWarning)     # thread, ours, and forks from itself only
+            pid = os.fork()
+        if pid == 0:                               # the zygote: never returns
+            os.close(self._req_w)
+            os.close(self._ans_r)
+            code = 0
+            try:
+                _die_with_parent()
+                faulthandler.disable()
+                os.nice(10)                        # the generation worker goes first
+                _serve(req_r, ans_w, trial)
+            except BaseException:                  # noqa: BLE001 - the zygote ends; the server makes another
+                code = 1
+            os._exit(code)
+        os.close(req_r)
+        os.close(ans_w)
+        self.pid = pid
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def ask(self, source: str, what: str) -> str | None:
+        try:
+            _send(self._req_w, {"source": source, "what": what})
+            ready, _, _ = select.select([self._ans_r], [], [], BUDGET_S + 10)
+            answer = _receive(self._ans_r) if ready else None
+        except OSError:
+            answer = None
+        if answer is None:                          # the zygote is stuck or gone: replace it next time
+            self.close()
+            return f"{what} could not be checked (the grammar sandbox did not answer); it is refused"
+        return answer.get("refusal")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        for fd in (self._req_w, self._ans_r):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _serve(req_r: int, ans_w: int, trial: Callable[[str, str], None]) -> None:
+    """The zygote's loop: one request at a time, each in a child of its own, until the server goes away."""
+    while True:
+        request = _receive(req_r)
+        if request is None:
+            return
+        _send(ans_w, {"refusal": _run(request["what"], lambda: trial(request["source"], request["what"]))})
+
+
+def _send(fd: int, obj: dict) -> None:
+    data = json.dumps(obj).encode("utf-8", "surrogatepass")
+    os.write(fd, struct.pack("<I", len(data)))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _receive(fd: int) -> dict | None:
+    head = _read_n(fd, 4)
+    if head is None:
+        return None
+    body = _read_n(fd, struct.unpack("<I", head)[0])
+    return None if body is None else json.loads(body.decode("utf-8", "surrogatepass"))
+
+
+def _read_n(fd: int, n: int) -> bytes | None:
+    chunks, left = [], n
+    while left:
+        b = os.read(fd, left)
+        if not b:
+            return None
+        chunks.append(b)
+        left -= len(b)
+    return b"".join(chunks)
+
+
+def _die_with_parent() -> None:
+    """The zygote ends with the server (Linux: PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
+
+
 def _run(what: str, trial: Callable[[], None]) -> str | None:
+    """In the zygote: one child runs `trial` under the limits; its verdict (None: passed)."""
     r, w = os.pipe()
     t0 = time.monotonic()
-    with warnings.catch_warnings():                # 3.12+ warns about fork with threads: the child only
-        warnings.simplefilter("ignore", DeprecationWarning)     # runs llguidance's code, then _exit
-        pid = os.fork()
+    pid = os.fork()
     if pid == 0:                                   # the child: never returns
         os.close(r)
-        faulthandler.disable()                     # a crash here is the verdict, not a report for stderr
-        os.nice(10)                                # the generation worker goes first
         code, message = 0, b""
         try:
             _limit_memory()
