@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -48,7 +49,8 @@ def nested_text(key: str, n: int) -> str:
 
 
 HOSTILE_SCHEMAS = {                    # refused by the schema limits (edgerun/constrain/limits.py)
-    "ref_chain_3000": ref_chain(3000),
+    "ref_chain_3000": ref_chain(3000),          # 106 KB: over the size limit
+    "ref_chain_200": ref_chain(200),            # 7 KB: over the depth limit, counting $ref hops
     "items_300": nested("items", 300),
     "anyof_200": nested("anyOf", 200),
     "regex_repeat": {"type": "string", "pattern": "^(a{1000}){1000}$"},
@@ -151,7 +153,7 @@ def test_cli_refuses_a_schema_chain_with_one_line(tiny_llama, tmp_path):
                        env=clean_env(tmp_path), timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr[-500:])
     lines = r.stderr.strip().splitlines()
-    assert lines[-1].startswith("error: ") and "levels deep" in lines[-1] and "Traceback" not in r.stderr
+    assert lines[-1].startswith("error: ") and "the limit for a grammar" in lines[-1] and "Traceback" not in r.stderr
 
 
 # --- D3: a Host that only looks like loopback ----------------------------------------------------------
@@ -470,12 +472,29 @@ def _grammar_source(text: str) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox forks (Linux)")
-def test_a_grammar_over_the_time_budget_is_refused(tiny_runtime):
+def test_a_grammar_that_runs_away_is_stopped_by_the_sandbox():
+    """A compile that spins inside one native call is stopped by the child's CPU limit (SIGXCPU); the
+    budget between calls is grammar.py's (COMPILE_CPU_S, MASK_CPU_S)."""
+    from edgerun.constrain import sandbox
     from edgerun.errors import GrammarError
 
-    wide = "start: " + " ".join('"a"' for _ in range(50_000))        # 50,000 terminals in a row
-    with pytest.raises(GrammarError, match="takes more than"):
-        tiny_runtime.constraint(grammar=wide)
+    def spin(source, what):
+        t = time.process_time()
+        while time.process_time() - t < 30:
+            pass
+
+    with pytest.raises(GrammarError, match="takes more than 1 s of CPU"):
+        sandbox.vet(f"runaway {time.time_ns()}", "the test grammar", spin)
+
+
+def test_the_compile_budget_between_native_calls():
+    from edgerun.constrain.grammar import COMPILE_CPU_S, Grammar, _within_budget
+    from edgerun.errors import GrammarError
+
+    g = Grammar.regex("a+")
+    _within_budget(g, COMPILE_CPU_S / 2)
+    with pytest.raises(GrammarError, match="ms of CPU to compile"):
+        _within_budget(g, COMPILE_CPU_S * 2)
 
 
 def test_a_hostile_tool_schema_over_http_is_a_400_before_the_queue(server, http):
@@ -483,5 +502,6 @@ def test_a_hostile_tool_schema_over_http_is_a_400_before_the_queue(server, http)
         f"p{i}": {"type": "integer"} for i in range(5000)}, "required": [f"p{i}" for i in range(5000)]}}}
     r = http.post(CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool],
                               "tool_choice": "required", "max_tokens": 2})
-    assert r.status_code == 400 and "takes more than" in r.json()["error"]["message"], r.text[:300]
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and ("65536 are accepted" in msg or "takes more than" in msg), r.text[:300]
     alive(http)

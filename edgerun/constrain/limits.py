@@ -12,6 +12,7 @@ Every refusal is an InvalidArgument naming the limit.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from ..errors import InvalidArgument
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    max_chars: int = 256 * 1024        # a grammar's text, or a schema's JSON
+    max_chars: int = 64 * 1024         # a grammar's text, or a schema's JSON (30 tools with enums: ~15 KB)
     max_depth: int = 128               # schema objects nested in one another, `$ref` hops included
     max_nodes: int = 20_000            # schema objects in all
     max_repeat: int = 2_000            # a regex's counted repetitions multiplied along their nesting
@@ -42,6 +43,16 @@ def check_schema(schema: Any, limits: GrammarLimits = LIMITS) -> None:
     """Refuse a JSON schema deeper (following local `$ref`s), larger or more repetitive than `limits`."""
     if not isinstance(schema, dict):
         return
+    try:
+        n = len(json.dumps(schema))     # C speed: a 5,000-property schema is refused before it is walked
+    except RecursionError:              # nested past the encoder's recursion: far past max_depth
+        raise InvalidArgument(f"the JSON schema nests more than {limits.max_depth} levels deep (counting $ref "
+                              "hops): the limit for a grammar from a request") from None
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"the JSON schema is not JSON data: {e}") from None
+    if n > limits.max_chars:
+        raise InvalidArgument(f"the JSON schema is {n} characters as JSON; at most {limits.max_chars} are accepted "
+                              "(the limit for a grammar from a request)")
     nodes = [schema]                       # every schema object, in discovery order
     index = {id(schema): 0}
     children: list[list[int]] = [[]]
