@@ -6,7 +6,8 @@ a second), 30 concurrent streams that disconnect after two chunks, 20 oversized 
 pathological prompts (a flood of `<|im_start|>` text), and one client per grammar attack sending, back to
 back, each time a new one: a 3000-long $ref chain, 3000-deep items, a regex repeated a million times,
 5000 required properties, a $ref fan-out of 2^24 paths (issue 50), from another process run as
-another Unix user (nobody) when the bench runs as root. Reported: the good client's p50/p95 latency in
+another Unix user (nobody) when the bench runs as root, at the lowest CPU priority (its own work of
+building requests is the scheduler's to rein in, not the server's). Reported: the good client's p50/p95 latency in
 both phases (a 503 queue_full is retried after 1 s and counted in the latency) and their ratio
 (target <= 2), every status the attackers and the client got (no 500),
 /health polled twice a second throughout (every answer 200), the server's RSS before, at the peak and
@@ -108,14 +109,15 @@ class Attack:
         """Hostile grammars until the attack ends, each one new (a fresh property name), so every one is
         compiled in the sandbox again instead of answered from its remembered verdict."""
         n = 0
+        schema = _hostile_schema(kind, "NAME_PLACEHOLDER")       # encoded once: the attacker's own CPU is not
+        body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,   # the point
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        template = json.dumps(body) if not isinstance(schema, str) else \
+            json.dumps({**body, "response_format": None}).replace('"response_format": null',
+                                                                  '"response_format": ' + schema)
         while not self.stop.is_set():
             n += 1
-            schema = _hostile_schema(kind, f"p{threading.get_ident()}_{n}")
-            body = {"model": self.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
-            raw = json.dumps(body) if not isinstance(schema, str) else \
-                json.dumps({**body, "response_format": None}).replace('"response_format": null',
-                                                                      '"response_format": ' + schema)
+            raw = template.replace("NAME_PLACEHOLDER", f"p{threading.get_ident()}_{n}")
             try:
                 r = httpx.post(f"http://{self.host}:{self.port}/v1/chat/completions", content=raw,
                                headers={**AUTH, "Content-Type": "application/json"}, timeout=60)
@@ -168,7 +170,8 @@ def _fork_grammar_attackers(host: str, port: int, model: str) -> tuple[int, int]
     if pid == 0:
         os.close(stop_w)
         os.close(out_r)
-        if os.geteuid() == 0:
+        os.nice(19)             # a hostile program on the board is the OS scheduler's to rein in; what is
+        if os.geteuid() == 0:   # measured is what handling its requests costs the server
             os.setgid(65534)
             os.setuid(65534)
         atk = Attack(host, port, model)
