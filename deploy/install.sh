@@ -279,8 +279,8 @@ say "llama-cpp-python $llama_pin with CMAKE_ARGS='$cmake_args'"
 # - the build runs ON the board (aarch64, JetPack's libcuda/libcublas) or in an aarch64 sysroot of the
 #   same JetPack (as emulate_pi.sh cross-compiles the Pi's CPU build): NOT CHECKED HERE, no JetPack
 #   sysroot was at hand. --llama-wheel takes a wheel built either way.
-# - it takes long on the board (~1 h on an Orin Nano's 6 cores is a guess, not a measurement; the x86
-#   figures are in docs/devices.md): the ggml-cuda kernels are compiled for sm_87 only.
+# - it takes long: 95 min for the whole build (144 CUDA sources, sm_87 only) on a shared 2-core x86
+#   machine; on the board's cores it was not timed (docs/devices.md).
 # After the install the service checks where the layers land (EDGERUN_REQUIRE_GPU=1 makes a CPU-only
 # build fatal instead of a warning), and so does the check below.
 case "$board" in
