@@ -34,6 +34,7 @@ from ..constrain.base import Constraint, apply_mask
 from ..errors import InvalidArgument, VocabMismatch
 from ..tokenizer import is_padding
 from .sampling import Dist, dist, greedy_token
+from .copying import copy_draft
 from .suffix import SuffixDrafter
 
 log = logging.getLogger(__name__)
@@ -293,19 +294,7 @@ class PromptLookupDrafter:
         m = self._match(context)
         if m is None:
             return [], None
-        start, L = m[0], len(context)
-        # copy what followed; a copy that runs into the end of the context continues with its own
-        # output (an overlapping copy, as in LZ77), so periodic text drafts a full gamma
-        out = list(context[start:start + gamma])
-        while len(out) < gamma:
-            out.append(out[len(out) - (L - start)])
-        if constraint is not None:                   # a point mass: cut at the first forbidden token
-            for i, x in enumerate(out):
-                if not constraint.continuing_mask()[x]:
-                    del out[i:]
-                    break
-                constraint.consume(x)
-        return out, None
+        return copy_draft(context, m[0], len(context), gamma, constraint), None
 
     def close(self) -> None:
         self.reset()

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import SamplingArgs
 from ..constrain.base import Constraint
+from .copying import copy_draft
 
 
 class SuffixAutomaton:
@@ -124,17 +125,7 @@ class SuffixDrafter:
         k, end = self._match(context)
         if k == 0:
             return [], None
-        toks, L, start = self._sa.tokens, len(context), end + 1
-        out = list(toks[start:start + gamma])
-        while len(out) < gamma:                  # the copy runs into the end: continue with its own output
-            out.append(out[len(out) - (L - start)])
-        if constraint is not None:               # a point mass: cut at the first forbidden token
-            for i, x in enumerate(out):
-                if not constraint.continuing_mask()[x]:
-                    del out[i:]
-                    break
-                constraint.consume(x)
-        return out, None
+        return copy_draft(self._sa.tokens, end + 1, len(context), gamma, constraint), None
 
     def close(self) -> None:
         self.reset()
