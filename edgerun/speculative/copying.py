@@ -1,5 +1,6 @@
-"""The draft both model-free drafters make (prompt lookup, suffix lookup): copy what followed an earlier
-occurrence of the context's end, as a point mass under the grammar."""
+"""What both model-free drafters share (prompt lookup, suffix lookup): the hint class of a match's length,
+and the draft itself, a copy of what followed an earlier occurrence of the context's end, as a point mass
+under the grammar."""
 
 from __future__ import annotations
 
@@ -23,3 +24,9 @@ def copy_draft(tokens: Sequence[int], start: int, length: int, gamma: int,
                 break
             constraint.consume(x)
     return out
+
+
+def match_class(k: int) -> int:
+    """The tuner's hint class of a k-token match: 1, 2, 3-4, 5-8, 9-16, 17+ -> 0..5 (acceptance is learned
+    per class: a longer match is likelier to continue)."""
+    return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5

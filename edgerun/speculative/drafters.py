@@ -34,7 +34,7 @@ from ..constrain.base import Constraint, apply_mask
 from ..errors import InvalidArgument, VocabMismatch
 from ..tokenizer import is_padding
 from .sampling import Dist, dist, greedy_token
-from .copying import copy_draft
+from .copying import copy_draft, match_class
 from .suffix import SuffixDrafter
 
 log = logging.getLogger(__name__)
@@ -281,8 +281,7 @@ class PromptLookupDrafter:
         m = self._match(context)
         if m is None:
             return None
-        k = m[1]
-        return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
+        return match_class(m[1])
 
     def lag(self, context: Sequence[int]) -> int:
         return 0

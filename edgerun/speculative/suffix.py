@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import SamplingArgs
 from ..constrain.base import Constraint
-from .copying import copy_draft
+from .copying import copy_draft, match_class
 
 
 class SuffixAutomaton:
@@ -113,7 +113,7 @@ class SuffixDrafter:
         k, _ = self._match(context)
         if k == 0:
             return None
-        return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
+        return match_class(k)
 
     def lag(self, context: Sequence[int]) -> int:
         return 0
