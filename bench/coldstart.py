@@ -78,7 +78,7 @@ def main() -> None:
             w, pk, out = peak_of(er)
             e_wall.append(w)
             e_peak.append(pk)
-            stats = json.loads(out.strip().splitlines()[-1])["stats"]
+            stats = json.loads(out.strip().splitlines()[-1])        # generate --json: the stats at the top level
             ttft.append(stats.get("t_prefill_s", float("nan")))
             w, pk, _ = peak_of(lc)
             l_wall.append(w)
