@@ -9,15 +9,17 @@ from dataclasses import dataclass, field
 from .errors import InvalidArgument
 
 DEFAULT_MODEL = "smollm2-135m-instruct"   # what `edgerun chat` and edgerun.load() run when no model is named
+FIXED_GAMMA = 4   # the draft length of a Runtime built with a drafter but neither a gamma nor a tuner
 GAMMA_LIMIT = 32  # drafting more than this per cycle is never useful and is refused
+MAX_TEMPERATURE = 100.0   # above this every token is equally likely to float precision: refused as a mistake
 MIN_TEMPERATURE = 1e-3    # below this, logits / T overflow float64 for ordinary logits: sampled as greedy
 REPEAT_PENALTY_RANGE = (1e-3, 1e3)   # outside, logits x penalty overflow or vanish
 THREADS_PER_CPU = 4       # n_threads above this many per logical CPU is refused (llama.cpp crashes far above)
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg: str, param: str | None = None) -> None:
     if not cond:
-        raise InvalidArgument(msg)
+        raise InvalidArgument(msg, param=param)
 
 
 @dataclass(frozen=True)
@@ -34,23 +36,24 @@ class SamplingArgs:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        _check(isinstance(t, (int, float)) and math.isfinite(t) and t >= 0,
-               f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        _check(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+               and 0 <= t <= MAX_TEMPERATURE,
+               f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {t!r}", "temperature")
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}", "top_k")
         p = self.top_p
         _check(isinstance(p, (int, float)) and 0 < p <= 1,
-               f"top_p must be in (0, 1], got {p!r}")
+               f"top_p must be in (0, 1], got {p!r}", "top_p")
         _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p < 1,
-               f"min_p must be in [0, 1), got {self.min_p!r}")
+               f"min_p must be in [0, 1), got {self.min_p!r}", "min_p")
         lo, hi = REPEAT_PENALTY_RANGE
         _check(isinstance(self.repeat_penalty, (int, float)) and lo <= self.repeat_penalty <= hi,
-               f"repeat_penalty must be a number in [{lo:g}, {hi:g}] (1.0 disables it), got {self.repeat_penalty!r}")
+               f"repeat_penalty must be a number in [{lo:g}, {hi:g}] (1.0 disables it), got {self.repeat_penalty!r}", "repeat_penalty")
         _check(isinstance(self.repeat_last_n, int) and self.repeat_last_n >= 0,
-               f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}")
+               f"repeat_last_n must be an integer >= 0, got {self.repeat_last_n!r}", "repeat_last_n")
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                      and 0 <= self.seed < 2 ** 63),
-               f"seed must be an integer in 0..2^63-1 (or unset for a random one), got {self.seed!r}")
+               f"seed must be an integer in 0..2^63-1 (or unset for a random one), got {self.seed!r}", "seed")
 
     @property
     def greedy(self) -> bool:
@@ -71,10 +74,22 @@ class SpeculativeArgs:
     def __post_init__(self) -> None:
         g = self.gamma
         _check(g is None or (isinstance(g, int) and 0 <= g <= GAMMA_LIMIT),
-               f"gamma must be 'auto' or an integer in 0..{GAMMA_LIMIT}, got {g!r}")
+               f"gamma must be 'auto' or an integer in 0..{GAMMA_LIMIT}, got {g!r}", "gamma")
         _check(isinstance(self.gamma_max, int) and 1 <= self.gamma_max <= GAMMA_LIMIT,
-               f"gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {self.gamma_max!r}")
-        _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min!r}")
+               f"gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {self.gamma_max!r}", "gamma_max")
+        _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min!r}", "p_min")
+
+
+def parse_gamma(gamma) -> int | None:
+    """A gamma option (an integer, its text, 'auto' or None) -> None for 'auto', else a checked draft length."""
+    if gamma is None or gamma == "auto":
+        return None
+    if isinstance(gamma, str):
+        if not gamma.strip().lstrip("-").isdigit():
+            raise InvalidArgument(f"gamma must be 'auto' or an integer, got {gamma!r}", param="gamma")
+        gamma = int(gamma)
+    SpeculativeArgs(gamma=gamma)          # checks the range
+    return gamma
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,12 @@ class EdgerunError(Exception):
 
 
 class InvalidArgument(EdgerunError, ValueError):
-    """A parameter is out of range or of the wrong kind (sampling values, gamma, ...)."""
+    """A parameter is out of range or of the wrong kind (sampling values, gamma, ...). param: the option's
+    name where one is to blame (the HTTP answer names it)."""
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(EdgerunError):

@@ -1,4 +1,5 @@
-"""Runtime: profile + target backend + tokenizer + drafter + gamma policy, behind generate / stream / chat."""
+"""Runtime: profile + target backend + tokenizer + drafter + gamma policy. A Request (edgerun/request.py)
+goes in: prepare() renders and compiles it, start() runs the decode loop, complete() collects the answer."""
 
 from __future__ import annotations
 
@@ -12,24 +13,22 @@ import numpy as np
 
 from .backends import model_memory, open_backend
 from .cluster.head import plan as cluster_plan
-from .config import DEFAULT_MODEL, BackendArgs, SamplingArgs, SpeculativeArgs
+from .config import DEFAULT_MODEL, FIXED_GAMMA, BackendArgs, SamplingArgs, SpeculativeArgs, parse_gamma
 from .constrain.base import Constraint
 from .constrain.grammar import compile_constraint, grammar_from_options, vet_grammar
-from .constrain.tools import Tool, ToolChoice, chat_messages, parse_tool_calls, parse_tool_choice, parse_tools, \
-    special_tag_ids, tool_grammar
+from .constrain.tools import chat_messages, parse_tool_calls
 from .device import gpu as gpu_check
 from .device.detect import resolve as resolve_profile
 from .device.memory import check_memory_fit
 from .engine.batch import BatchGroup
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
+from .request import Request, Structure, check_sampling
 from .speculative.drafters import ModelDrafter, make_drafter
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .speculative.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
-
-_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "seed")
 
 
 @dataclass
@@ -58,30 +57,30 @@ class Completion:
 
 
 @dataclass
-class ChatPlan:
-    """What a chat request becomes before any token is generated: the prompt, the grammar (a JSON
-    schema, a grammar, or the tools' call grammar) and the tools to read calls back with."""
+class Plan:
+    """What a request becomes before any token is generated: the prompt's tokens, the compiled grammar
+    (of a JSON schema, a grammar, or the tools' calls) and the structure, to read tool calls back with."""
 
     prompt_tokens: list[int]
     constraint: Constraint | None = None
-    tools: list[Tool] = field(default_factory=list)
-    tool_choice: ToolChoice = ToolChoice("none")
+    structure: Structure = field(default_factory=Structure)
 
     @property
     def reads_calls(self) -> bool:
-        return bool(self.tools) and self.tool_choice.mode != "none"
+        return self.structure.reads_calls
 
 
-def parse_gamma(gamma) -> int | None:
-    """A gamma option -> None for 'auto' (or unset), else a validated draft length (InvalidArgument if not)."""
-    if gamma is None or gamma == "auto":
-        return None
-    if isinstance(gamma, str):
-        if not gamma.strip().lstrip("-").isdigit():
-            raise InvalidArgument(f"gamma must be 'auto' or an integer, got {gamma!r}")
-        gamma = int(gamma)
-    SpeculativeArgs(gamma=gamma)          # validates the range
-    return gamma
+@dataclass(frozen=True)
+class Generation:
+    """One generation as the decode loop runs it (Runtime.start checks and fills it in)."""
+
+    prompt_tokens: list[int]
+    sampling: SamplingArgs
+    max_tokens: int
+    stop: tuple[str, ...]
+    policy: GammaPolicy
+    stats: GenStats
+    constraint: Constraint | None
 
 
 class Runtime:
@@ -100,7 +99,7 @@ class Runtime:
         self.profile = profile
         self.spec = spec
         self.sampling = sampling
-        self.policy = policy if policy is not None else FixedGamma(spec.gamma if spec.gamma is not None else 4)
+        self.policy = policy if policy is not None else FixedGamma(spec.gamma if spec.gamma is not None else FIXED_GAMMA)
         self.tuner_store = tuner_store       # persists what the gamma tuner learns (per sampling regime)
         self.cluster = getattr(target, "cluster", None)   # the RPC workers the target spreads over, if any
         self._tuners: dict[str, GammaTuner] = {}
@@ -117,17 +116,14 @@ class Runtime:
         return self.tokenizer.tokenize(text, special=special, limit=self.n_ctx)
 
     def sampling_args(self, **kw) -> SamplingArgs:
-        unknown = set(kw) - set(_SAMPLING_KEYS)
-        if unknown:
-            raise InvalidArgument(f"unknown sampling option(s) {sorted(unknown)}; expected some of {list(_SAMPLING_KEYS)}")
-        return replace(self.sampling, **{k: v for k, v in kw.items() if v is not None})
+        """The runtime's sampling defaults with the values given (checked)."""
+        return replace(self.sampling, **dict(check_sampling({k: v for k, v in kw.items() if v is not None})))
 
-    def _policy_for(self, gamma, sampling: SamplingArgs) -> GammaPolicy:
+    def _policy_for(self, gamma: int | None, sampling: SamplingArgs) -> GammaPolicy:
         """A fixed gamma if one is asked for; else the tuner of this sampling regime, continuing from what
         earlier processes learned when the runtime has a tuner store."""
-        g = parse_gamma(gamma)
-        if g is not None:
-            return FixedGamma(g)
+        if gamma is not None:
+            return FixedGamma(gamma)
         if self.tuner_store is None or not isinstance(self.policy, GammaTuner):
             return self.policy
         if self.policy not in self._tuners.values():
@@ -145,91 +141,93 @@ class Runtime:
                 f"the prompt is {len(tokens)} tokens but the context holds {self.n_ctx} "
                 f"(at least one position must stay free to generate); shorten the prompt or raise --ctx")
 
-    # -- generation ---------------------------------------------------------------------------
-    def constraint(self, *, json_schema=None, grammar: str | None = None, response_format=None) -> Constraint | None:
-        """The constraint of a JSON schema (dict or JSON text), a grammar (Lark with a `start:` rule, or
-        a regex) or an OpenAI response_format; None when none is given. Compile errors raise here."""
-        return compile_constraint(grammar_from_options(json_schema=json_schema, grammar=grammar,
-                                                       response_format=response_format),
-                                  self.tokenizer, self.target.n_vocab)
-
-    def plan_chat(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
-                  json_schema=None, grammar: str | None = None, response_format=None) -> ChatPlan:
-        """Render the prompt and compile the grammar of a chat request (InvalidArgument on bad input)."""
-        shown, choice, g = self._structure(tools, tool_choice, parallel_tool_calls, json_schema, grammar,
-                                           response_format)
-        knows = self.tokenizer.template_knows_tools
-        msgs = chat_messages(messages, shown, knows)
-        prompt = self.tokenizer.chat_prompt_tokens(msgs, tools=[t.openai() for t in shown] if knows else None,
-                                                   limit=self.n_ctx)
-        return ChatPlan(prompt, compile_constraint(g, self.tokenizer, self.target.n_vocab), shown, choice)
-
-    def _structure(self, tools, tool_choice, parallel_tool_calls, json_schema, grammar, response_format):
-        """(tools shown, tool choice, Grammar or None) of a request's structure options."""
-        parsed = parse_tools(tools)
-        choice = parse_tool_choice(tool_choice, parsed)
-        shown = parsed if choice.mode != "none" else []
-        if shown and any(v is not None for v in (json_schema, grammar, response_format)) and \
-                not (isinstance(response_format, dict) and response_format.get("type") == "text"):
-            raise InvalidArgument("tools cannot be combined with json_schema, grammar or response_format: "
-                                  "a tool call's arguments follow the tool's own parameters schema")
-        if shown:
-            g = tool_grammar(shown, choice, parallel=bool(parallel_tool_calls),
-                             special_ids=special_tag_ids(self.tokenizer))
+    # -- a request, end to end ----------------------------------------------------------------
+    def prepare(self, request: Request) -> Plan:
+        """Render the prompt and compile the grammar of a request (InvalidArgument, ContextOverflow)."""
+        structure = request.structure.bind(self.tokenizer)
+        if request.messages is not None:
+            knows = self.tokenizer.template_knows_tools
+            msgs = chat_messages(request.messages, structure.tools, knows)
+            prompt = self.tokenizer.chat_prompt_tokens(
+                msgs, tools=[t.openai() for t in structure.tools] if knows else None, limit=self.n_ctx)
+        elif request.prompt_tokens is not None:
+            prompt = list(request.prompt_tokens)
+            n_vocab = self.tokenizer.n_vocab
+            bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < n_vocab)), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt token id {bad!r} is out of range; expected ids in 0..{n_vocab - 1}",
+                                      param="prompt")
         else:
-            g = grammar_from_options(json_schema=json_schema, grammar=grammar, response_format=response_format)
-        return shown, choice, g
+            prompt = self.tokenize(request.prompt)
+        return Plan(prompt, compile_constraint(structure.grammar, self.tokenizer, self.target.n_vocab), structure)
 
-    def vet_structure(self, *, tools=None, tool_choice=None, parallel_tool_calls: bool = True, json_schema=None,
-                      grammar: str | None = None, response_format=None) -> None:
+    def start(self, request: Request, *, plan: Plan | None = None, max_tokens: int | None = None,
+              stats: GenStats | None = None) -> "TokenStream":
+        """The decode loop of a request (prepared now unless `plan` is given). Errors raise here, before the
+        first token; closing the returned stream cancels and rolls the caches back. max_tokens: a limit
+        below the request's (the server's room in the context); with neither, up to the context's end."""
+        plan = plan if plan is not None else self.prepare(request)
+        self._check_prompt(plan.prompt_tokens)
+        if max_tokens is None:
+            max_tokens = request.max_tokens if request.max_tokens is not None else self.n_ctx - len(plan.prompt_tokens)
+        sampling = request.sampling_args(self.sampling)
+        return TokenStream(self, Generation(list(plan.prompt_tokens), sampling, max_tokens, request.stop,
+                                            self._policy_for(request.gamma, sampling),
+                                            stats if stats is not None else GenStats(), plan.constraint))
+
+    def complete(self, request: Request, *, plan: Plan | None = None) -> Completion:
+        """The whole answer of a request; with tools, its calls read back (Completion.tool_calls)."""
+        plan = plan if plan is not None else self.prepare(request)
+        stats = GenStats()
+        steps: list[Step] = []
+        self.start(request, plan=plan, stats=stats).run(steps.append)   # a batching slot: on the engine
+        out = Completion(text="".join(s.text for s in steps), tokens=[s.token for s in steps],
+                         finish_reason=stats.finish_reason or "length", n_prompt_tokens=len(plan.prompt_tokens),
+                         n_tokens=stats.n_tokens, stats=stats)
+        if plan.reads_calls:
+            out.content, calls = parse_tool_calls(out.text, list(plan.structure.tools))
+            if calls:
+                out.tool_calls = calls
+                if out.finish_reason != "length":      # cut short: 'length' says so, the whole calls still count
+                    out.finish_reason = "tool_calls"
+        return out
+
+    def vet_structure(self, structure: Structure) -> Structure:
         """Check a request's grammar (limits, then a compile in a sandbox process) without compiling it
-        here: the server calls it off the generation worker, so a bad grammar never holds the worker."""
-        _, _, g = self._structure(tools, tool_choice, parallel_tool_calls, json_schema, grammar, response_format)
-        vet_grammar(g, self.tokenizer, self.target.n_vocab)
+        here, and return the structure bound to this vocabulary: the server calls it off the generation
+        worker, so a bad grammar never holds the worker."""
+        bound = structure.bind(self.tokenizer)
+        vet_grammar(bound.grammar, self.tokenizer, self.target.n_vocab)
+        return bound
 
-    def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stop: Sequence[str] = (),
-                      gamma=None, stats: GenStats | None = None, constraint: Constraint | None = None,
-                      **sampling_kw) -> "TokenStream":
-        """The decode loop on explicit prompt tokens. Arguments are checked now (errors raise here,
-        before the first token); closing the returned iterator cancels and rolls the caches back.
-        constraint: from `constraint(...)` or `plan_chat(...)`: the output follows its grammar."""
-        sampling = self.sampling_args(**sampling_kw)
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise InvalidArgument(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        self._check_prompt(prompt_tokens)
-        policy = self._policy_for(gamma, sampling)
-        stats = stats if stats is not None else GenStats()
-        return TokenStream(self, (list(prompt_tokens), sampling, max_tokens, list(stop), policy, stats, constraint))
-
-    def _loop(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
+    # -- the decode loop ----------------------------------------------------------------------
+    def _loop(self, g: Generation) -> Iterator[Step]:
         """The decode loop's generator for one generation (nothing runs until it is iterated)."""
-        rng = np.random.default_rng(sampling.seed)
-        batched = self.group is not None and isinstance(policy, GammaTuner)
+        rng = np.random.default_rng(g.sampling.seed)
+        batched = self.group is not None and isinstance(g.policy, GammaTuner)
         # in a batch of several sequences, drafts only where they still pay (speculative/gamma.py)
-        run_policy = BatchedGamma(policy, lambda: self.group.n_active) if batched else policy
-        return generate(self.target, prompt_tokens, sampling, max_tokens=max_tokens, stop=stop,
-                        drafter=self.drafter, policy=run_policy, rng=rng, stats=stats, constraint=constraint)
+        run_policy = BatchedGamma(g.policy, lambda: self.group.n_active) if batched else g.policy
+        return generate(self.target, g.prompt_tokens, g.sampling, max_tokens=g.max_tokens, stop=list(g.stop),
+                        drafter=self.drafter, policy=run_policy, rng=rng, stats=g.stats, constraint=g.constraint)
 
-    def _finish(self, sampling, policy, stats) -> None:
-        self.last_stats = stats
-        self.session_stats.merge(stats)
-        if self.tuner_store is not None and any(policy is t for t in self._tuners.values()):
-            self.tuner_store.save(policy, regime(sampling))
+    def _finish(self, g: Generation) -> None:
+        self.last_stats = g.stats
+        self.session_stats.merge(g.stats)
+        if self.tuner_store is not None and any(g.policy is t for t in self._tuners.values()):
+            self.tuner_store.save(g.policy, regime(g.sampling))
 
-    def _run(self, prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint) -> Iterator[Step]:
+    def _run(self, g: Generation) -> Iterator[Step]:
         try:
-            steps = self._loop(prompt_tokens, sampling, max_tokens, stop, policy, stats, constraint)
+            steps = self._loop(g)
             yield from (steps if self.group is None else self.group.drive(steps, self.batch_views()))
         finally:
-            self._finish(sampling, policy, stats)
+            self._finish(g)
 
-    def _run_with(self, args: tuple, on_step) -> None:
+    def _run_with(self, g: Generation, on_step) -> None:
         """TokenStream.run: in a batching group, BatchGroup.run (a loop that joins others runs on the engine
         thread, on_step too); elsewhere the Steps are iterated on this thread."""
         if self.group is None:
-            it = self._run(*args)
+            it = self._run(g)
             try:
                 for step in it:
                     if on_step(step) is False:
@@ -237,54 +235,50 @@ class Runtime:
             finally:
                 it.close()
             return
-        _, sampling, _, _, policy, stats, _ = args
         try:
-            self.group.run(self._loop(*args), on_step, self.batch_views())
+            self.group.run(self._loop(g), on_step, self.batch_views())
         finally:
-            self._finish(sampling, policy, stats)     # here: a tuner store's write holds up no batch
+            self._finish(g)     # here: a tuner store's write holds up no batch
 
-    def stream(self, prompt: str, *, json_schema=None, grammar: str | None = None, response_format=None,
-               **kw) -> Iterator[Step]:
-        c = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
-        return self.stream_tokens(self.tokenize(prompt), constraint=c, **kw)
+    # -- the Python API: keyword options -> a Request ------------------------------------------
+    def generate(self, prompt: str, *, max_tokens: int = 256, **options) -> Completion:
+        """Complete `prompt` (raw text, no chat template). options: Request.build's (sampling values, stop,
+        gamma, json_schema / grammar / response_format)."""
+        return self.complete(Request.build(prompt=prompt, max_tokens=max_tokens, **options))
 
-    def chat_stream(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
-                    json_schema=None, grammar: str | None = None, response_format=None, **kw) -> Iterator[Step]:
-        """The answer's Steps (text as it comes; with tools, read the calls back with
-        constrain.tools.ToolCallStream or use chat())."""
-        plan = self.plan_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                              json_schema=json_schema, grammar=grammar, response_format=response_format)
-        return self.stream_tokens(plan.prompt_tokens, constraint=plan.constraint, **kw)
-
-    def _complete(self, prompt_tokens: list[int], **kw) -> Completion:
-        stats = GenStats()
-        steps: list[Step] = []
-        self.stream_tokens(prompt_tokens, stats=stats, **kw).run(steps.append)   # a batching slot: on the engine
-        return Completion(text="".join(s.text for s in steps), tokens=[s.token for s in steps],
-                          finish_reason=stats.finish_reason or "length", n_prompt_tokens=len(prompt_tokens),
-                          n_tokens=stats.n_tokens, stats=stats)
-
-    def generate(self, prompt: str, *, json_schema=None, grammar: str | None = None, response_format=None,
-                 **kw) -> Completion:
-        """Complete `prompt` (raw text, no chat template), optionally under a JSON schema or grammar."""
-        c = self.constraint(json_schema=json_schema, grammar=grammar, response_format=response_format)
-        return self._complete(self.tokenize(prompt), constraint=c, **kw)
-
-    def chat(self, messages: Sequence[dict], *, tools=None, tool_choice=None, parallel_tool_calls: bool = True,
-             json_schema=None, grammar: str | None = None, response_format=None, **kw) -> Completion:
+    def chat(self, messages: Sequence[dict], *, max_tokens: int = 256, **options) -> Completion:
         """Answer the last message of a conversation, using the model's chat template. With `tools`
         (OpenAI shape) the answer may be tool calls: Completion.tool_calls, finish_reason 'tool_calls';
         Completion.message() is the assistant message to append to `messages`."""
-        plan = self.plan_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                              json_schema=json_schema, grammar=grammar, response_format=response_format)
-        out = self._complete(plan.prompt_tokens, constraint=plan.constraint, **kw)
-        if plan.reads_calls:
-            out.content, calls = parse_tool_calls(out.text, plan.tools)
-            if calls:
-                out.tool_calls = calls
-                if out.finish_reason != "length":      # cut short: 'length' says so, the whole calls still count
-                    out.finish_reason = "tool_calls"
-        return out
+        return self.complete(Request.build(messages=messages, max_tokens=max_tokens, **options))
+
+    def stream(self, prompt: str, *, max_tokens: int = 256, stats: GenStats | None = None,
+               **options) -> "TokenStream":
+        return self.start(Request.build(prompt=prompt, max_tokens=max_tokens, **options), stats=stats)
+
+    def chat_stream(self, messages: Sequence[dict], *, max_tokens: int = 256, stats: GenStats | None = None,
+                    **options) -> "TokenStream":
+        """The answer's Steps (text as it comes; with tools, read the calls back with
+        constrain.tools.ToolCallStream or use chat())."""
+        return self.start(Request.build(messages=messages, max_tokens=max_tokens, **options), stats=stats)
+
+    def stream_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 256, stats: GenStats | None = None,
+                      constraint: Constraint | None = None, **options) -> "TokenStream":
+        """The decode loop on explicit prompt tokens, under an already compiled `constraint` if given
+        (from constraint() or plan_chat())."""
+        request = Request.build(prompt_tokens=prompt_tokens, max_tokens=max_tokens, **options)
+        return self.start(request, plan=Plan(list(prompt_tokens), constraint), stats=stats)
+
+    def plan_chat(self, messages: Sequence[dict], **structure) -> Plan:
+        """prepare() of a chat request with these structure options (tools, json_schema, ...)."""
+        return self.prepare(Request.build(messages=messages, **structure))
+
+    def constraint(self, *, json_schema=None, grammar: str | None = None, response_format=None) -> Constraint | None:
+        """The constraint of a JSON schema (dict or JSON text), a grammar (Lark with a `start:` rule, or
+        a regex) or an OpenAI response_format; None when none is given. Compile errors raise here."""
+        return compile_constraint(grammar_from_options(json_schema=json_schema, grammar=grammar,
+                                                       response_format=response_format),
+                                  self.tokenizer, self.target.n_vocab)
 
     # -- continuous batching ------------------------------------------------------------------
     @property
@@ -433,7 +427,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
 
 
 class TokenStream:
-    """One generation's Steps (Runtime.stream_tokens): iterate it, or hand it a callback with run().
+    """One generation's Steps (Runtime.start): iterate it, or hand it a callback with run().
 
     Iterating runs the decode loop on the iterating thread (in a batching group, as a member with a thread
     of its own: BatchGroup.drive). run(on_step) calls on_step(step) for each Step until it returns False or
@@ -442,8 +436,8 @@ class TokenStream:
     there (wrap a wait in engine.blocking). Either way closing or stopping it rolls the caches back to what was
     committed. A stream runs once."""
 
-    def __init__(self, runtime: Runtime, args: tuple) -> None:
-        self._rt, self._args = runtime, args
+    def __init__(self, runtime: Runtime, generation: Generation) -> None:
+        self._rt, self._g = runtime, generation
         self._gen: Iterator[Step] | None = None
         self._used = False
 
@@ -455,7 +449,7 @@ class TokenStream:
             if self._used:
                 raise StopIteration
             self._used = True
-            self._gen = self._rt._run(*self._args)
+            self._gen = self._rt._run(self._g)
         return next(self._gen)
 
     def close(self) -> None:
@@ -468,4 +462,4 @@ class TokenStream:
         if self._used:
             raise RuntimeError("this stream has run already")
         self._used = True
-        self._rt._run_with(self._args, on_step)
+        self._rt._run_with(self._g, on_step)

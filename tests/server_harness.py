@@ -185,8 +185,13 @@ class GatedRuntime:
     def slots(self) -> list["GatedRuntime"]:
         return [GatedRuntime(slot, parent=self) for slot in self._rt.slots()]
 
+    def start(self, request, *, plan=None, **kw):
+        plan = plan if plan is not None else self._rt.prepare(request)
+        inner = self._rt.start(request, plan=plan, **kw)   # argument errors raise here, as in the Runtime
+        return _GatedStream(self, list(plan.prompt_tokens), inner)
+
     def stream_tokens(self, prompt_tokens, **kw):
-        inner = self._rt.stream_tokens(prompt_tokens, **kw)   # argument errors raise here, as in the Runtime
+        inner = self._rt.stream_tokens(prompt_tokens, **kw)
         return _GatedStream(self, list(prompt_tokens), inner)
 
 

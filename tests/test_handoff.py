@@ -11,6 +11,7 @@ import pytest
 
 from edgerun.backends.llamacpp import LlamaCppBackend
 from edgerun.config import BackendArgs
+from edgerun.request import Request
 from edgerun.engine import handoff, thread as engine_thread
 from edgerun.engine import on_engine
 
@@ -95,7 +96,7 @@ def test_a_jobs_steps_reach_its_event_loop_in_order_before_its_end():
     from edgerun.serve.scheduler import Job
 
     async def main():
-        job = Job(prompt="x")
+        job = Job(Request(prompt="x"))
         worker = threading.Thread(target=lambda: ([job._emit("step", i) for i in range(5)], job._emit("end", "done")))
         worker.start()
         await asyncio.to_thread(worker.join)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from edgerun.errors import InvalidArgument
+from edgerun.request import Request
 from edgerun.serve.settings import ServerConfig
 from server_harness import TINY_ARGS, InProcessServer, ServerProcess, clean_env, wait_until
 
@@ -207,7 +208,7 @@ def _hold_and_queue(srv, rt, n_hold: int, n_queue: int, client: tuple, out: list
     import asyncio
 
     async def submit(k):
-        job = Job(prompt=f"p{k}", max_tokens=2, client=client)
+        job = Job(Request(prompt=f"p{k}", max_tokens=2), client=client)
         srv.state.scheduler.submit(job)
         out.append(job)
 
@@ -243,7 +244,7 @@ def test_a_flooding_client_gives_way_to_another_in_a_full_queue(tiny_llama):
         import asyncio
 
         async def flood_more():
-            srv.state.scheduler.submit(Job(prompt="more", max_tokens=1, client=("uid", 1234)))
+            srv.state.scheduler.submit(Job(Request(prompt="more", max_tokens=1), client=("uid", 1234)))
         with pytest.raises(QueueFull):       # the flooder alone: 503 as before
             asyncio.run_coroutine_threadsafe(flood_more(), srv.state.loop).result(10)
         # the test process's own uid is another client: it takes the flooder's newest place

@@ -49,7 +49,7 @@ def test_queue_is_fifo_and_rejects_past_its_bound(tiny_llama, parallel):
             threads.append(post_in_thread(srv.url, COMPL, {"model": model, "prompt": prompts[k], "max_tokens": 6},
                                            out, k))
             wait_until(lambda: sch.depth == ("bc".index(k) + 1), what=f"{k} queued")
-        assert [j.prompt for j in sch._waiting] == [prompts["b"], prompts["c"]]        # in arrival order
+        assert [j.request.prompt for j in sch._waiting] == [prompts["b"], prompts["c"]]        # in arrival order
         r = httpx.post(srv.url + COMPL, json={"model": model, "prompt": "seven", "max_tokens": 6})
         assert_error(r, 503, "queue_full")
         assert int(r.headers["retry-after"]) >= 1

@@ -3,14 +3,15 @@ and loading the runtime."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
 from ..cluster.rpc import parse_endpoints, require_rpc
 from ..cluster.split import parse_tensor_split
-from ..config import DEFAULT_MODEL, SamplingArgs
-from ..constrain.grammar import grammar_from_options
+from ..config import DEFAULT_MODEL
+from ..request import Request, check_sampling
 from ..errors import InvalidArgument
 from ..runtime import load
 from .progress import progress_printer
@@ -85,9 +86,25 @@ def check_cluster_options(rpc, tensor_split) -> None:
 
 def sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed) -> dict:
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
-    kw = {k: v for k, v in kw.items() if v is not None}
-    SamplingArgs(**kw)          # validate before any model is loaded
-    return kw
+    with flag_names():
+        return dict(check_sampling({k: v for k, v in kw.items() if v is not None}))   # before any model loads
+
+
+def build_request(**kw) -> Request:
+    """Request.build, its errors naming the command-line flag."""
+    with flag_names():
+        return Request.build(**kw)
+
+
+@contextmanager
+def flag_names():
+    """An InvalidArgument that names its option says the flag (--max-tokens) instead."""
+    try:
+        yield
+    except InvalidArgument as e:
+        if e.param is None or str(e).startswith("--"):
+            raise
+        raise InvalidArgument(f"--{e.param.replace('_', '-')}: {e}", param=e.param) from None
 
 
 def read_arg_file(value: str, option: str, *, json_or_file: bool) -> str:
@@ -105,7 +122,7 @@ def read_arg_file(value: str, option: str, *, json_or_file: bool) -> str:
 
 
 def structure_kw(json_schema: str | None, grammar: str | None) -> dict:
-    """--json-schema / --grammar -> the runtime's keyword arguments (checked before a model loads)."""
+    """--json-schema / --grammar -> Request.build's keyword arguments (which checks them)."""
     if json_schema is not None and grammar is not None:
         raise InvalidArgument("give at most one of --json-schema and --grammar")
     kw = {}
@@ -113,7 +130,6 @@ def structure_kw(json_schema: str | None, grammar: str | None) -> dict:
         kw["json_schema"] = read_arg_file(json_schema, "--json-schema", json_or_file=True)
     if grammar is not None:
         kw["grammar"] = read_arg_file(grammar, "--grammar", json_or_file=False)
-    grammar_from_options(**kw)          # JSON and option errors now; the rest compiles against the vocabulary
     return kw
 
 

@@ -7,10 +7,10 @@ import sys
 
 import click
 
-from ..constrain.tools import parse_tool_choice, parse_tools, ToolCallStream
+from ..constrain.tools import ToolCallStream, parse_tools
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
-from ..runtime import parse_gamma
-from .options import (check_cluster_options, load_runtime, model_options, read_arg_file, require_gpu_option,
+from ..request import Structure
+from .options import (build_request, check_cluster_options, load_runtime, model_options, read_arg_file, require_gpu_option,
                       sampling_kw, sampling_options, structure_kw, with_structure_options)
 
 
@@ -27,20 +27,19 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
     """Complete PROMPT (raw text; '-' reads it from stdin)."""
     if prompt == "-":
         prompt = sys.stdin.read()
-    kw = sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed)
-    structure = structure_kw(json_schema, grammar)
-    parse_gamma(gamma)
-    if max_tokens < 0:
-        raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
+    # every option checked before a model loads (the grammar compiles against the vocabulary later)
+    request = build_request(prompt=prompt, max_tokens=max_tokens, stop=stop,
+                            **sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed),
+                            **structure_kw(json_schema, grammar))
     check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
                       tensor_split, require_gpu) as rt:
         if as_json:
-            c = rt.generate(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw)
+            c = rt.complete(request)
             out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
             click.echo(json.dumps(out))
         else:
-            for step in rt.stream(prompt, max_tokens=max_tokens, stop=stop, **structure, **kw):
+            for step in rt.start(request):
                 click.echo(step.text, nl=False)
                 sys.stdout.flush()
             click.echo("")
@@ -77,7 +76,7 @@ def _load_tools(value: str | None) -> list:
         tools = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"--tools: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    parse_tools(tools)
+    Structure.parse(tools=tools)
     return tools
 
 
@@ -141,7 +140,7 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
     if tool_choice not in ("auto", "required", "none"):
         tool_choice = {"type": "function", "function": {"name": tool_choice}}
     if tools:
-        parse_tool_choice(tool_choice, parse_tools(tools))
+        Structure.parse(tools=tools, tool_choice=tool_choice)     # checked before a model loads
     check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
                       tensor_split, require_gpu) as rt:

@@ -7,7 +7,7 @@ import logging
 import click
 
 from ..errors import EdgerunError
-from ..runtime import parse_gamma
+from ..config import parse_gamma
 from ..serve import settings as serve_settings
 
 
@@ -30,7 +30,7 @@ def serve(ctx, **options):
     if ctx.find_root().params.get("verbose", 0) == 0:
         logging.getLogger("edgerun").setLevel(logging.INFO)
         logging.getLogger("uvicorn").setLevel(logging.INFO)
-    parse_gamma(options["gamma"])
+    options["gamma"] = parse_gamma(options["gamma"])      # parsed once, before the socket is bound
     config = serve_settings.config_from_options(options)
     precheck(config)
     run_server(config)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import hmac
-import json
 import logging
 import math
 import secrets
@@ -30,21 +28,20 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import GenerationRecord, Metrics
 from . import ollama, promptcache, ui
 from .clients import client_key
-from .handling import (_cancel_on_disconnect, _check_fits, _edgerun_field, _next_event, _read_json, _ready_event,
-                       _require_ready, _taken, _vet, check_turns, release_job, start_job)
-from .scheduler import ClientBusy, Job, JobResult, QueueFull, Scheduler, Unavailable
+from .handling import (_check_fits, _edgerun_field, _next_event, _read_json, _ready_event,
+                       _require_ready, check_turns, release_job, start_job, vet_structure)
+from .scheduler import Job, JobResult, Scheduler
 from . import systemd as service
 from ..constrain.tools import ToolCallStream, parse_tool_calls
-from ..errors import ContextOverflow, EdgerunError, InvalidArgument
+from ..errors import EdgerunError
 from .protocol import (FAILED, APIError, ChatRequest, CompletionRequest, chat_message, error_from_result,
-                       max_tokens_from, parse_body, reject_unsupported, sampling_from, sse_data, sse_framer,
-                       stop_from, structure_from, usage, validate)
+                       max_tokens_from, reject_unsupported, request_from, sse_data, sse_framer,
+                       structure_options, usage, validate)
 from .settings import ServerConfig
 
 
@@ -271,11 +268,10 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
         mt = max_tokens_from(req.max_tokens, "max_tokens")
         if req.max_completion_tokens is not None:
             mt = max_tokens_from(req.max_completion_tokens, "max_completion_tokens")
-        structure, tools, choice = structure_from(req, chat=True)
-        await _vet(state, structure)
-        job = Job(messages=messages, max_tokens=mt, stop=stop_from(req), sampling=sampling_from(req),
-                  timeout_s=config.timeout_s, structure=structure, client=client_key(request.scope, config))
-        return await _respond(state, request, req, job, chat=True, tools=tools if choice.mode != "none" else [])
+        structure = await vet_structure(state, structure_options(req, chat=True))
+        job = Job(request_from(req, structure, messages=messages, max_tokens=mt), timeout_s=config.timeout_s,
+                  client=client_key(request.scope, config))
+        return await _respond(state, request, req, job, chat=True, tools=list(structure.tools))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -298,11 +294,10 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                                code="unsupported_parameter")
         if isinstance(prompt, str):
             _check_fits(state, len(prompt.encode("utf-8", "surrogatepass")), chat=False)
-        structure, _, _ = structure_from(req, chat=False)
-        await _vet(state, structure)
-        job = Job(prompt=prompt, prompt_tokens=tokens, max_tokens=max_tokens_from(req.max_tokens, "max_tokens"),
-                  stop=stop_from(req), sampling=sampling_from(req), timeout_s=config.timeout_s, structure=structure,
-                  client=client_key(request.scope, config))
+        structure = await vet_structure(state, structure_options(req, chat=False))
+        job = Job(request_from(req, structure, prompt=prompt, prompt_tokens=tokens,
+                               max_tokens=max_tokens_from(req.max_tokens, "max_tokens")),
+                  timeout_s=config.timeout_s, client=client_key(request.scope, config))
         return await _respond(state, request, req, job, chat=False)
 
     async def _respond(state: _State, request: Request, req, job: Job, *, chat: bool, tools=()):

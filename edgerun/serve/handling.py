@@ -5,7 +5,6 @@ and read the job's events back to the event loop."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from typing import Any
@@ -14,6 +13,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from ..errors import ContextOverflow, InvalidArgument
+from ..request import Structure
 from .jobs import ClientBusy, Job, JobResult, QueueFull, Unavailable
 from .protocol import FAILED, APIError, error_from_result, parse_body
 from .scheduler import Scheduler
@@ -65,16 +65,22 @@ def check_turns(state, n_messages: int) -> None:
                        code="context_length_exceeded")
 
 
-async def _vet(state, structure: dict) -> None:
-    """A request's grammar checked on a thread of its own (limits, then a sandboxed compile: see
-    constrain/sandbox.py) before it is queued: a bad one is a 400 and never reaches the worker."""
+async def vet_structure(state, options: dict) -> Structure:
+    """A request's structure options parsed and its grammar checked on a thread of its own (limits, then a
+    sandboxed compile: see constrain/sandbox.py) before it is queued: a bad one is a 400 and never reaches
+    the worker. Returns the Structure, bound to the model's vocabulary once the model is loaded."""
+    if not options:
+        return Structure()
     vet = getattr(state.scheduler.runtime, "vet_structure", None)
-    if not structure or vet is None:
-        return
+
+    def parse_and_vet() -> Structure:
+        structure = Structure.parse(**options)
+        return vet(structure) if structure and vet is not None else structure
+
     try:
-        await asyncio.get_running_loop().run_in_executor(state.vetting, functools.partial(vet, **structure))
+        return await asyncio.get_running_loop().run_in_executor(state.vetting, parse_and_vet)
     except InvalidArgument as e:
-        raise APIError(400, str(e), code="invalid_value") from None
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def _check_fits(state, n_bytes: int, *, chat: bool) -> None:

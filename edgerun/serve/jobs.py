@@ -9,12 +9,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 from ..engine import handoff
 from ..engine.events import JobEvents
 from ..errors import EdgerunError
 from ..generate import GenStats
+from ..request import Request
 
 log = logging.getLogger(__name__)
 
@@ -64,22 +65,9 @@ class JobResult:
 class Job:
     """One generation request. Created and awaited on the event loop; run on the worker thread."""
 
-    def __init__(self, *, prompt: str | None = None, messages: Sequence[dict] | None = None,
-                 prompt_tokens: Sequence[int] | None = None, max_tokens: int | None = None,
-                 stop: Sequence[str] = (), sampling: dict | None = None, timeout_s: float = 300.0,
-                 structure: dict | None = None, client: Any = None) -> None:
-        if sum(x is not None for x in (prompt, messages, prompt_tokens)) != 1:
-            raise ValueError("a Job needs exactly one of prompt, messages and prompt_tokens")
-        self.prompt = prompt
-        self.messages = list(messages) if messages is not None else None
-        self.prompt_tokens = list(prompt_tokens) if prompt_tokens is not None else None
+    def __init__(self, request: Request, *, timeout_s: float = 300.0, client: Any = None) -> None:
+        self.request = request                     # what to generate (checked at the edge: edgerun/request.py)
         self.finished = False                      # set by the event loop once it read the end event
-        self.max_tokens = max_tokens
-        self.stop = tuple(stop)
-        self.sampling = dict(sampling or {})
-        # the output's structure: tools / tool_choice / parallel_tool_calls / response_format / json_schema
-        # (compiled on the worker, before the first token: a bad one fails the job as InvalidArgument)
-        self.structure = dict(structure or {})
         self.client = client                       # who asked (serve/clients.py): the per-client cap's key
         self.created = time.monotonic()
         self.deadline = self.created + timeout_s

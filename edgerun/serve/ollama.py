@@ -38,8 +38,9 @@ from ..errors import EdgerunError
 from . import handling
 from .clients import client_key
 from .jobs import Job
-from .protocol import (FAILED, MAX_STOP_STRINGS, APIError, _Strict, error_from_result, max_tokens_from,
-                       sampling_from, stop_from, structure_from, validate)
+from .protocol import FAILED, APIError, _Strict, error_from_result, request_from, structure_options, validate
+from ..config import MAX_TEMPERATURE, REPEAT_PENALTY_RANGE
+from ..request import MAX_STOP_STRINGS
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,10 @@ OLLAMA_API_VERSION = "0.6.0"
 NDJSON = "application/x-ndjson"
 UNSUPPORTED = ("/api/create", "/api/push", "/api/copy", "/api/delete", "/api/embed", "/api/embeddings")
 
-# options -> the OpenAI-side field sampling_from reads, and the range a value is clamped into
-_SAMPLING = {"temperature": ("temperature", 0.0, 100.0), "top_p": ("top_p", 1e-6, 1.0),
+# options -> the OpenAI-side field protocol.request_from reads, and the range a value is clamped into
+_SAMPLING = {"temperature": ("temperature", 0.0, MAX_TEMPERATURE), "top_p": ("top_p", 1e-6, 1.0),
              "top_k": ("top_k", 0, None), "min_p": ("min_p", 0.0, 0.999999),
-             "repeat_penalty": ("repeat_penalty", 1e-6, None), "seed": ("seed", None, None)}
+             "repeat_penalty": ("repeat_penalty", *REPEAT_PENALTY_RANGE), "seed": ("seed", None, None)}
 # options Ollama knows that change nothing here (llama.cpp load-time settings, samplers edgerun lacks)
 _IGNORED = frozenset({"num_keep", "typical_p", "repeat_last_n", "presence_penalty", "frequency_penalty",
                       "penalize_newline", "mirostat", "mirostat_tau", "mirostat_eta", "tfs_z", "numa",
@@ -188,9 +189,10 @@ def _iso(t: float | None = None) -> str:
 
 # --- options -------------------------------------------------------------------------------------
 
-def options_from(state, options: dict | None, notes: list[str]) -> tuple[dict, int | None, tuple[str, ...]]:
-    """(sampling, max_tokens, stop) from Ollama's options, checked by protocol.py's own checks after values out
-    of range are clamped; what is ignored or clamped is appended to `notes`."""
+def options_from(state, options: dict | None, notes: list[str]) -> tuple[SimpleNamespace, int | None]:
+    """(the sampling and stop fields as protocol.request_from reads them, max_tokens) from Ollama's options,
+    values out of range clamped (the Request checks them once more); what is ignored or clamped is
+    appended to `notes`."""
     opts = dict(options or {})
     fields: dict[str, Any] = {}
     for key, (field, lo, hi) in _SAMPLING.items():
@@ -235,11 +237,11 @@ def options_from(state, options: dict | None, notes: list[str]) -> tuple[dict, i
                           stop=stop)
     for k, v in fields.items():
         setattr(req, k, v)
-    return sampling_from(req), max_tokens_from(max_tokens, "num_predict"), stop_from(req)
+    return req, max_tokens
 
 
-def structure_of(fmt: Any, tools: Any = None, chat: bool = True, tool_choice: Any = None) -> tuple[dict, list, Any]:
-    """Ollama's `format` and `tools` as the OpenAI routes' structure options (protocol.structure_from).
+def structure_of(fmt: Any, tools: Any = None, chat: bool = True, tool_choice: Any = None) -> dict:
+    """Ollama's `format` and `tools` as the OpenAI routes' structure options (protocol.structure_options).
     tool_choice: edgerun's own option (Ollama has none: the model decides, 'auto'): 'auto', 'none',
     'required', or a tool's name."""
     if fmt in (None, ""):
@@ -255,7 +257,7 @@ def structure_of(fmt: Any, tools: Any = None, chat: bool = True, tool_choice: An
     req = SimpleNamespace(tools=tools if tools else None, tool_choice=tool_choice if tools else None,
                           parallel_tool_calls=None,
                           response_format=rf, json_schema=None)
-    return structure_from(req, chat=chat)
+    return structure_options(req, chat=chat)
 
 
 def _message(m: OllamaMessage, i: int) -> dict:
@@ -307,13 +309,13 @@ def install(app, state) -> None:
         handling._check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages), chat=True)
         options = dict(req.options or {})
         tool_choice = options.pop("tool_choice", None)        # edgerun's own option (docs/clients.md)
-        sampling, max_tokens, stop = options_from(state, options, notes)
-        structure, tools, _ = structure_of(req.format, req.tools, chat=True, tool_choice=tool_choice)
-        await handling._vet(state, structure)
+        fields, max_tokens = options_from(state, options, notes)
+        structure = await handling.vet_structure(state, structure_of(req.format, req.tools, chat=True,
+                                                                     tool_choice=tool_choice))
         _note_rest(req, notes)
-        job = Job(messages=messages, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                       timeout_s=config.timeout_s, structure=structure, client=client_key(request.scope, config))
-        return await _answer(state, request, req, job, chat=True, tools=tools, notes=notes, t0=t0)
+        job = Job(request_from(fields, structure, messages=messages, max_tokens=max_tokens),
+                  timeout_s=config.timeout_s, client=client_key(request.scope, config))
+        return await _answer(state, request, req, job, chat=True, tools=list(structure.tools), notes=notes, t0=t0)
 
     @app.post("/api/generate")
     async def generate(request: Request):
@@ -331,26 +333,23 @@ def install(app, state) -> None:
         if not req.prompt and not req.system:
             return _loaded(state, req, chat=False)
         notes: list[str] = []
-        sampling, max_tokens, stop = options_from(state, req.options, notes)
-        structure, _, _ = structure_of(req.format, chat=False)
-        await handling._vet(state, structure)
+        fields, max_tokens = options_from(state, req.options, notes)
+        structure = await handling.vet_structure(state, structure_of(req.format, chat=False))
         _note_rest(req, notes)
         if req.template:
             notes.append("template ignored (the model's own chat template is used)")
         if req.raw:
             handling._check_fits(state, len((req.prompt or "").encode("utf-8", "surrogatepass")), chat=False)
-            job = Job(prompt=req.prompt or "", max_tokens=max_tokens, stop=stop, sampling=sampling,
-                           timeout_s=config.timeout_s, structure=structure,
-                           client=client_key(request.scope, config))
+            job = Job(request_from(fields, structure, prompt=req.prompt or "", max_tokens=max_tokens),
+                      timeout_s=config.timeout_s, client=client_key(request.scope, config))
         else:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                        [{"role": "user", "content": req.prompt or ""}]
             handling._check_fits(state, sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages),
                              chat=True)
             # chat templating is how the prompt gets the model's template; structure applies to the answer
-            job = Job(messages=messages, max_tokens=max_tokens, stop=stop, sampling=sampling,
-                           timeout_s=config.timeout_s, structure=structure,
-                           client=client_key(request.scope, config))
+            job = Job(request_from(fields, structure, messages=messages, max_tokens=max_tokens),
+                      timeout_s=config.timeout_s, client=client_key(request.scope, config))
         return await _answer(state, request, req, job, chat=False, tools=[], notes=notes, t0=t0)
 
     @app.get("/api/tags")

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..constrain.tools import Tool, ToolChoice, parse_tool_choice, parse_tools
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
+from ..request import Request, Structure
 from .scheduler import JobResult
 
 
 log = logging.getLogger(__name__)
-
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -49,7 +43,7 @@ def error_from_result(res: JobResult, timeout_s: float, chat: bool) -> APIError:
         if isinstance(exc, ContextOverflow):
             return APIError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded")
         if isinstance(exc, InvalidArgument):
-            return APIError(400, str(exc), code="invalid_value")
+            return APIError(400, str(exc), param=exc.param, code="invalid_value")
         if isinstance(exc, EdgerunError):
             return APIError(500, str(exc), type="server_error", code=type(exc).__name__)
         return APIError(500, "internal error during generation (logged on the server)", type="server_error",
@@ -232,51 +226,24 @@ def reject_unsupported(req) -> None:
         raise no("best_of", "other than 1")
 
 
-def sampling_from(req) -> dict:
-    """The sampling options a request set explicitly (the rest keep the runtime's defaults)."""
-    def bad(param: str, expected: str, value) -> APIError:
-        return APIError(400, f"'{param}' must be {expected}, got {value!r}", param=param, code="invalid_value")
-
-    out: dict = {}
-    t = req.temperature
-    if t is not None:
-        if not (math.isfinite(t) and 0 <= t <= 100):
-            raise bad("temperature", "a number in [0, 100] (0 = greedy)", t)
-        out["temperature"] = float(t)
-    if req.top_p is not None:
-        if not 0 < req.top_p <= 1:
-            raise bad("top_p", "in (0, 1]", req.top_p)
-        out["top_p"] = float(req.top_p)
-    if req.top_k is not None:
-        if req.top_k < 0:
-            raise bad("top_k", "an integer >= 0 (0 disables it)", req.top_k)
-        out["top_k"] = req.top_k
-    if req.min_p is not None:
-        if not 0 <= req.min_p < 1:
-            raise bad("min_p", "in [0, 1)", req.min_p)
-        out["min_p"] = float(req.min_p)
-    if req.repeat_penalty is not None:
-        if not (math.isfinite(req.repeat_penalty) and req.repeat_penalty > 0):
-            raise bad("repeat_penalty", "a number > 0 (1 disables it)", req.repeat_penalty)
-        out["repeat_penalty"] = float(req.repeat_penalty)
+def sampling_values(req) -> dict:
+    """The sampling values a request body set (the rest keep the runtime's defaults); their ranges are
+    checked once, by the Request they go into."""
+    out = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty")
+           if getattr(req, k) is not None}
     if req.seed is not None:
-        out["seed"] = req.seed & (2 ** 64 - 1)      # OpenAI seeds are int64; numpy wants >= 0
+        out["seed"] = req.seed % 2 ** 63     # OpenAI seeds are int64; a negative one maps to a valid one
     return out
 
 
-def stop_from(req) -> tuple[str, ...]:
-    stop = req.stop
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}",
-                       param="stop", code="invalid_value")
-    for s in stops:
-        if len(s) > MAX_STOP_CHARS:
-            raise APIError(400, f"each 'stop' string may be at most {MAX_STOP_CHARS} characters",
-                           param="stop", code="invalid_value")
-    return tuple(s for s in stops if s)
+def request_from(req, structure: Structure, *, max_tokens: int | None, messages: list[dict] | None = None,
+                 prompt: str | None = None, prompt_tokens: list[int] | None = None) -> Request:
+    """The Request of a validated body: a bad value is a 400 naming its field."""
+    try:
+        return Request.build(messages=messages, prompt=prompt, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                             stop=req.stop, structure=structure, **sampling_values(req))
+    except InvalidArgument as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def max_tokens_from(value: int | None, param: str) -> int | None:
@@ -299,25 +266,12 @@ def chat_message(m: Message) -> dict:
     return out
 
 
-def structure_from(req, chat: bool) -> tuple[dict, list[Tool], ToolChoice]:
-    """The output-structure options of a request (for the worker, which compiles them before the first
-    token), and its tools and tool_choice checked here already (they need no model)."""
-    out: dict = {}
-    try:
-        tools = parse_tools(req.tools) if chat else []
-        choice = parse_tool_choice(req.tool_choice, tools) if chat else ToolChoice("none")
-    except InvalidArgument as e:
-        raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools",
-                       code="invalid_value") from None
-    if chat:
-        for name in ("tools", "tool_choice", "parallel_tool_calls"):
-            if getattr(req, name) is not None:
-                out[name] = getattr(req, name)
-    elif req.json_schema is not None:
-        out["json_schema"] = req.json_schema
-    if req.response_format is not None:
-        out["response_format"] = req.response_format
-    return out, tools, choice
+def structure_options(req, chat: bool) -> dict:
+    """The output-structure options a request body set, as Structure.parse takes them (parsed and vetted off
+    the event loop: handling.vet_structure)."""
+    names = ("tools", "tool_choice", "parallel_tool_calls", "response_format") if chat else \
+        ("json_schema", "response_format")
+    return {n: getattr(req, n) for n in names if getattr(req, n, None) is not None}
 
 
 def content_text(content) -> str:

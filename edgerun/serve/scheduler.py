@@ -296,23 +296,9 @@ class Scheduler:
                     group.end_admission()
 
     @staticmethod
-    def _prepare(runtime: Any, job: Job) -> tuple[list[int], Any]:
-        """The job's prompt tokens and constraint (InvalidArgument etc. on bad input)."""
-        constraint = None
-        if job.messages is not None:
-            plan = runtime.plan_chat(job.messages, **job.structure)
-            prompt_tokens, constraint = plan.prompt_tokens, plan.constraint
-        elif job.prompt_tokens is not None:
-            prompt_tokens = job.prompt_tokens
-            n_vocab = runtime.tokenizer.n_vocab
-            bad = next((t for t in prompt_tokens if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                raise InvalidArgument(f"prompt token id {bad} is out of range; expected ids in 0..{n_vocab - 1}")
-        else:
-            prompt_tokens = runtime.tokenize(job.prompt)
-        if job.messages is None and job.structure:
-            constraint = runtime.constraint(**job.structure)
-        return prompt_tokens, constraint
+    def _prepare(runtime: Any, job: Job) -> Any:
+        """The job's Plan: prompt tokens and compiled grammar (InvalidArgument etc. on bad input)."""
+        return runtime.prepare(job.request)
 
     def _affinity(self, slot: int, runtime: Any, job: Job) -> tuple[int, Any]:
         """(the slot to run the job on, its prepared prompt or None). Called with the dispatch lock held:
@@ -329,7 +315,7 @@ class Scheduler:
             best = self.packing.best_slot(free)
             if best != slot:
                 self._idle.discard(best)
-        self.packing.bring_prefix(free, best, prepared[0])
+        self.packing.bring_prefix(free, best, prepared.prompt_tokens)
         if best != slot:
             with self._cond:
                 self._handoff[best] = (job, prepared)
@@ -358,14 +344,14 @@ class Scheduler:
         stream = None
         try:
             self._step_started[slot] = now
-            prompt_tokens, constraint = prepared if prepared is not None else self._prepare(runtime, job)
+            plan = prepared if prepared is not None else self._prepare(runtime, job)
+            prompt_tokens = plan.prompt_tokens
             res.n_prompt_tokens = len(prompt_tokens)
             if self.prompt_cache is not None and callable(getattr(runtime.target, "save_state", None)):
                 res.n_cached = self.prompt_cache.prepare(runtime.target, prompt_tokens)
             room = runtime.n_ctx - len(prompt_tokens)
-            res.max_tokens = max(0, room if job.max_tokens is None else min(job.max_tokens, room))
-            stream = runtime.stream_tokens(prompt_tokens, max_tokens=res.max_tokens, stop=job.stop,
-                                           stats=res.stats, constraint=constraint, **job.sampling)
+            res.max_tokens = max(0, room if job.request.max_tokens is None else min(job.request.max_tokens, room))
+            stream = runtime.start(job.request, plan=plan, max_tokens=res.max_tokens, stats=res.stats)
             res.started = True
             stopped = False
 
