@@ -10,8 +10,8 @@ import click
 from ..constrain.tools import parse_tool_choice, parse_tools, ToolCallStream
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from ..runtime import parse_gamma
-from .options import (check_cluster_options, load_runtime, model_options, read_arg_file, require_gpu_option,
-                      sampling_kw, sampling_options, structure_kw, with_structure_options)
+from .options import (load_runtime, model_options, read_arg_file, require_gpu_option, sampling_kw, sampling_options,
+                      structure_kw, with_structure_options)
 
 
 @click.command()
@@ -32,7 +32,6 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
     parse_gamma(gamma)
     if max_tokens < 0:
         raise InvalidArgument(f"--max-tokens must be >= 0, got {max_tokens}")
-    check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
                       tensor_split, require_gpu) as rt:
         if as_json:
@@ -142,7 +141,6 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
         tool_choice = {"type": "function", "function": {"name": tool_choice}}
     if tools:
         parse_tool_choice(tool_choice, parse_tools(tools))
-    check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
                       tensor_split, require_gpu) as rt:
         base = [{"role": "system", "content": system}] if system else []
