@@ -13,6 +13,7 @@ import numpy as np
 
 from .backends import model_memory, open_backend
 from .cluster.head import plan as cluster_plan
+from .cluster.rpc import cluster_options, require_rpc
 from .config import DEFAULT_MODEL, FIXED_GAMMA, BackendArgs, SamplingArgs, SpeculativeArgs, parse_gamma
 from .constrain.base import Constraint
 from .constrain.grammar import compile_constraint, grammar_from_options, vet_grammar
@@ -363,6 +364,9 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     # runtime.py, which `edgerun serve` imports before it listens (the model loads after /health answers)
     from .resolve import auto_draft, resolve_model
 
+    rpc, tensor_split = cluster_options(rpc, tensor_split)      # before anything is detected, pulled or loaded
+    if rpc:
+        require_rpc("--rpc")
     prof, why = resolve_profile(profile)
     log.info("device profile %s (%s)", prof.name, why)
     overrides = {k: v for k, v in dict(n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
@@ -390,9 +394,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     target_bytes, kv_bytes = model_memory(target_path, args.n_ctx)
     draft_bytes, draft_kv = model_memory(draft_path, args.n_ctx) if draft_path else (0, 0)
     cluster = None
-    if rpc or tensor_split:
-        if not rpc:
-            raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
+    if rpc:
         cluster = cluster_plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes * parallel, n_gpu_layers=n_gpu_layers)
         target_bytes, kv_bytes = cluster.placement.head_bytes, cluster.placement.head_kv // parallel
     try:

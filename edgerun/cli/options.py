@@ -1,5 +1,5 @@
 """The options of the commands that load a model (generate, chat), their checks before anything loads,
-and loading the runtime."""
+and loading the runtime. The model options are the records of edgerun/settings_table.py."""
 
 from __future__ import annotations
 
@@ -8,39 +8,23 @@ from pathlib import Path
 
 import click
 
-from ..cluster.rpc import parse_endpoints, require_rpc
-from ..cluster.split import parse_tensor_split
-from ..config import DEFAULT_MODEL
 from ..request import Request, check_sampling
 from ..errors import InvalidArgument
 from ..runtime import load
+from ..settings_table import MODEL_SETTINGS, click_option
 from .progress import progress_printer
+
+
+# the settings of the one table (edgerun/settings_table.py) that generate and chat offer, in --help's order;
+# `edgerun serve` makes the same options from the same records
+MODEL_OPTIONS = ("model", "draft", "gamma", "profile_name", "n_ctx", "n_threads", "n_gpu_layers", "no_pull", "rpc",
+                 "tensor_split")
 
 
 def model_options(f):
     """Options shared by every command that loads a model."""
-    opts = [
-        click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True,
-                     help="Registry name (see `edgerun list`), .gguf path, or exported ONNX directory."),
-        click.option("--draft", default="auto", show_default=True,
-                     help="Drafter: 'auto' (the registry's pair, else none), 'none', 'lookup', or a model."),
-        click.option("--gamma", default="auto", show_default=True,
-                     help="Draft length per cycle: an integer (0 = plain decoding) or 'auto' (tuned)."),
-        click.option("--profile", "profile_name", default="auto", show_default=True,
-                     help="Device profile name or YAML path ('auto' detects the board)."),
-        click.option("--ctx", "n_ctx", type=int, default=None, help="Context size in tokens (profile default)."),
-        click.option("--threads", "n_threads", type=int, default=None, help="CPU threads (profile default)."),
-        click.option("--gpu-layers", "n_gpu_layers", type=int, default=None, help="Layers offloaded to the GPU."),
-        click.option("--no-pull", is_flag=True, help="Fail instead of downloading a model that is not cached."),
-        click.option("--rpc", default=None, metavar="HOST:PORT,...",
-                     help="Split the target over these RPC workers (`edgerun worker`; reach them through SSH "
-                          "tunnels). The drafter stays here. docs/cluster.md"),
-        click.option("--tensor-split", default=None, metavar="SHARES",
-                     help="With --rpc: the share of each worker device (e.g. 3,1), optionally one more (last) "
-                          "for this machine. Default: by the workers' free memory."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
+    for name in reversed(MODEL_OPTIONS):
+        f = click_option(MODEL_SETTINGS[name], envvar=False)(f)
     return f
 
 
@@ -67,21 +51,9 @@ def load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_laye
                 rpc=rpc, tensor_split=tensor_split, require_gpu=require_gpu)
 
 
-# --require-gpu of generate and chat (serve's is in serve/settings.py, with the same variable)
-require_gpu_option = click.option(
-    "--require-gpu", is_flag=True, envvar="EDGERUN_REQUIRE_GPU", show_envvar=True,
-    help="Fail (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile (Jetson, "
-         "Apple) whose GPU is not used only warns. docs/devices.md")
-
-
-def check_cluster_options(rpc, tensor_split) -> None:
-    """--rpc / --tensor-split errors before anything loads (the workers themselves are asked at load)."""
-    eps = parse_endpoints(rpc)
-    parse_tensor_split(tensor_split)
-    if tensor_split and not eps:
-        raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
-    if eps:
-        require_rpc("--rpc")
+# --require-gpu of generate and chat, with its EDGERUN_REQUIRE_GPU (listed after the command's own options);
+# --rpc / --tensor-split are checked by edgerun.load before anything loads
+require_gpu_option = click_option(MODEL_SETTINGS["require_gpu"], envvar=False)
 
 
 def sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed) -> dict:

@@ -10,8 +10,8 @@ import click
 from ..constrain.tools import ToolCallStream, parse_tools
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from ..request import Structure
-from .options import (build_request, check_cluster_options, load_runtime, model_options, read_arg_file, require_gpu_option,
-                      sampling_kw, sampling_options, structure_kw, with_structure_options)
+from .options import (build_request, load_runtime, model_options, read_arg_file, require_gpu_option, sampling_kw,
+                      sampling_options, structure_kw, with_structure_options)
 
 
 @click.command()
@@ -31,7 +31,6 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
     request = build_request(prompt=prompt, max_tokens=max_tokens, stop=stop,
                             **sampling_kw(temperature, top_k, top_p, min_p, repeat_penalty, seed),
                             **structure_kw(json_schema, grammar))
-    check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
                       tensor_split, require_gpu) as rt:
         if as_json:
@@ -141,7 +140,6 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
         tool_choice = {"type": "function", "function": {"name": tool_choice}}
     if tools:
         Structure.parse(tools=tools, tool_choice=tool_choice)     # checked before a model loads
-    check_cluster_options(rpc, tensor_split)
     with load_runtime(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_pull, rpc,
                       tensor_split, require_gpu) as rt:
         base = [{"role": "system", "content": system}] if system else []

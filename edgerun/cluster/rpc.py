@@ -27,6 +27,7 @@ import psutil
 
 from .. import llama_lib
 from ..errors import ClusterError, InvalidArgument
+from .split import parse_tensor_split
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,17 @@ def parse_endpoints(value: str | Iterable[str] | None) -> tuple[Endpoint, ...]:
     if len(out) > 16:
         raise InvalidArgument(f"--rpc names {len(out)} workers; ggml-rpc takes at most 16 (GGML_RPC_MAX_SERVERS)")
     return tuple(out)
+
+
+def cluster_options(rpc, tensor_split) -> tuple[tuple[Endpoint, ...], tuple[float, ...]]:
+    """--rpc and --tensor-split (EDGERUN_RPC, EDGERUN_TENSOR_SPLIT; edgerun.load's rpc=, tensor_split=)
+    checked together: the workers and their shares, or InvalidArgument. edgerun.load calls it before anything
+    loads, and ServerConfig so that `edgerun serve` fails before it binds its socket."""
+    eps = parse_endpoints(rpc)
+    shares = parse_tensor_split(tensor_split) if tensor_split else ()
+    if shares and not eps:
+        raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
+    return eps, shares
 
 
 # --- the libraries ----------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The server's settings: one definition behind `edgerun serve`'s options, ServerConfig and deploy/edgerun.env.
 
-Each `Setting` names a ServerConfig field, its command-line flag, its EDGERUN_* variable, its type, the
-help text, and the lines it gets in the env file the systemd unit reads. `click_options` turns them into
+Each `Setting` (edgerun/settings_table.py) names a ServerConfig field, its command-line flag, its EDGERUN_*
+variable, its type, the help text, and the lines it gets in the env file the systemd unit reads. The settings
+of loading a model (--model, --draft, --ctx, --rpc, ...) come from that module's table, which `edgerun
+generate` and `chat` read too; the serve-only ones are written here. `click_options` turns them into
 the CLI's options, `config_from_options` turns parsed options into a ServerConfig, and `render_env_file`
 writes deploy/edgerun.env (a test keeps the committed file equal to it).
 """
@@ -10,13 +12,15 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import click
 
+from ..cluster.rpc import cluster_options
 from ..config import DEFAULT_MODEL
 from ..errors import InvalidArgument
+from ..settings_table import MODEL_SETTINGS, Setting, click_option
 
 MiB = 1024 * 1024
 
@@ -93,20 +97,10 @@ class ServerConfig:
             if origin != "*" and not (origin.startswith(("http://", "https://")) and "/" not in origin.split("://", 1)[1]):
                 raise InvalidArgument(f"--cors-origin {origin!r:.60} is not an origin; expected scheme://host[:port] "
                                       "such as http://192.168.1.20:3000 (or *)")
-        from ..cluster.rpc import parse_endpoints
-        from ..cluster.split import parse_tensor_split
-
-        parse_endpoints(self.rpc)
-        parse_tensor_split(self.tensor_split)
-        if self.tensor_split and not self.rpc:
-            raise InvalidArgument("--tensor-split needs --rpc (the workers to split the model over)")
+        cluster_options(self.rpc, self.tensor_split)     # here, so that `edgerun serve` fails before it binds
         if self.api_key is not None and not self.api_key.strip():
             raise InvalidArgument("api_key must not be empty or white space (an empty --api-key= or EDGERUN_API_KEY= "
                                   "would silently mean no authentication; leave it unset to disable authentication)")
-
-
-def _same(v: Any) -> Any:
-    return v
 
 
 def is_loopback(host: str) -> bool:
@@ -126,38 +120,21 @@ def _csv(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One `edgerun serve` setting, as a flag, an environment variable and an env-file entry."""
-
-    name: str                            # the click parameter name (the CLI function's argument)
-    flags: tuple[str, ...]               # e.g. ("--model", "-m")
-    env: str                             # EDGERUN_* variable
-    help: str
-    type: Any = None                     # click type (None: a string)
-    default: Any = None                  # the flag's default as the user writes it
-    is_flag: bool = False
-    env_value: str | None = None         # the env file's line: a value, or None to show it commented out
-    env_example: str = ""                # the commented-out example value
-    env_doc: tuple[str, ...] = ()        # comment lines before this variable in the env file
-    field: str | None = None             # the ServerConfig field it sets (None: same as name)
-    to_config: Callable[[Any], Any] = _same
+def _shared(name: str, **serve_side: Any) -> Setting:
+    """A setting of the one table (edgerun/settings_table.py) with its env-file lines and ServerConfig mapping."""
+    return replace(MODEL_SETTINGS[name], **serve_side)
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("model", ("--model", "-m"), "EDGERUN_MODEL", "Registry name, .gguf path, or exported ONNX directory.",
-            default=DEFAULT_MODEL, env_value=DEFAULT_MODEL,
+    _shared("model", env_value=DEFAULT_MODEL,
             env_doc=("Target model: a registry name (`edgerun list`), or a .gguf path the service can read",
                      "(ProtectHome=yes hides /home and /root: put local models under /opt or /var/lib).")),
-    Setting("draft", ("--draft",), "EDGERUN_DRAFT", "Drafter: 'auto', 'none', 'lookup', or a model.",
-            default="auto", env_value="auto",
+    _shared("draft", env_value="auto",
             env_doc=("Drafter for speculative decoding: auto (the registry's pair), none, lookup, or a model.",),
             to_config=lambda v: None if v == "none" else v),
-    Setting("gamma", ("--gamma",), "EDGERUN_GAMMA", "Draft length: an integer (0 = plain decoding) or 'auto'.",
-            default="auto", env_value="auto",
+    _shared("gamma", env_value="auto",
             env_doc=("Draft length: auto (tuned from this board's measured costs) or an integer (0 = off).",)),
-    Setting("profile_name", ("--profile",), "EDGERUN_PROFILE",
-            "Device profile name or YAML path ('auto' detects the board).", default="auto", env_value="auto",
+    _shared("profile_name", env_value="auto",
             env_doc=("Device profile: auto-detected unless named here (install.sh writes the detected one).",),
             field="profile"),
     Setting("host", ("--host",), "EDGERUN_HOST",
@@ -237,29 +214,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shutdown_grace", ("--shutdown-grace",), "EDGERUN_SHUTDOWN_GRACE",
             "On SIGTERM, seconds the running generation may continue before it is cancelled.",
             type=click.FloatRange(0, None), default=10.0, env_value="10", field="shutdown_grace_s"),
-    Setting("n_ctx", ("--ctx",), "EDGERUN_CTX", "Context size in tokens (profile default).", type=int,
-            env_example="4096", env_doc=("", "Engine overrides (empty: the device profile decides).")),
-    Setting("n_threads", ("--threads",), "EDGERUN_THREADS", "CPU threads (profile default).", type=int,
-            env_example="4"),
-    Setting("rpc", ("--rpc",), "EDGERUN_RPC",
-            "Split the target over these RPC workers (HOST:PORT,...; `edgerun worker`, reached through SSH tunnels). "
-            "The drafter stays here; a lost worker ends the server (systemd restarts it).",
-            env_example="127.0.0.1:50052,127.0.0.1:50053", to_config=_csv,
+    _shared("n_ctx", env_example="4096", env_doc=("", "Engine overrides (empty: the device profile decides).")),
+    _shared("n_threads", env_example="4"),
+    _shared("rpc", env_example="127.0.0.1:50052,127.0.0.1:50053", to_config=_csv,
             env_doc=("", "A model split over several boards (docs/cluster.md): the workers' forwarded ports (one",
                      "edgerun-tunnel@HOST unit each) and, optionally, each one's share (+ this board's, last).")),
-    Setting("tensor_split", ("--tensor-split",), "EDGERUN_TENSOR_SPLIT",
-            "With --rpc: each worker device's share (e.g. 3,1), optionally one more (last) for this board.",
-            env_example="1,1", to_config=_csv),
-    Setting("no_pull", ("--no-pull",), "EDGERUN_NO_PULL", "Fail instead of downloading a model that is not cached.",
-            is_flag=True, env_example="1", field="pull", to_config=lambda no: not no,
+    _shared("tensor_split", env_example="1,1", to_config=_csv),
+    _shared("no_pull", env_example="1", field="pull", to_config=lambda no: not no,
             env_doc=("", "Where models and probe results are cached. The unit points this at its CacheDirectory",
                      "(/var/cache/edgerun); uncomment only to use another place the service may write to.",
                      "#EDGERUN_HOME=/var/cache/edgerun",
                      "Fail at start instead of downloading a model that is not cached yet (air-gapped boards).")),
-    Setting("require_gpu", ("--require-gpu",), "EDGERUN_REQUIRE_GPU",
-            "Refuse to start (exit 2) unless every layer of the model runs on a GPU; without it a GPU profile "
-            "(Jetson, Apple) whose GPU is not used only logs a warning. /health shows where the layers are.",
-            is_flag=True, env_example="1",
+    _shared("require_gpu", env_example="1",
             env_doc=("", "GPU boards: fail at start instead of serving on the CPU when the model's layers did not",
                      "land on the GPU (a llama.cpp without CUDA, an unreachable device). docs/devices.md")),
     Setting("ollama_port", ("--ollama-port",), "EDGERUN_OLLAMA_PORT",
@@ -280,14 +246,7 @@ SETTINGS: tuple[Setting, ...] = (
 def click_options(f: Callable) -> Callable:
     """Decorate a click command with every serve setting (flag, EDGERUN_* variable, default, help)."""
     for s in reversed(SETTINGS):
-        kw: dict[str, Any] = dict(envvar=s.env, show_envvar=True, help=s.help or None)
-        if s.is_flag:
-            kw["is_flag"] = True
-        else:
-            kw.update(default=s.default, show_default=s.default is not None)
-            if s.type is not None:
-                kw["type"] = s.type
-        f = click.option(*s.flags, s.name, **kw)(f)
+        f = click_option(s)(f)
     return f
 
 
