@@ -25,7 +25,8 @@ from ..device.detect import resolve as resolve_profile
 from ..errors import ClusterError, EdgerunError, ModelNotFound
 from ..registry.manifest import get_manifest
 from ..resolve import resolve_model
-from .app import _State, create_app
+from .app import create_app
+from .state import _State
 from .settings import ServerConfig, is_loopback
 
 
