@@ -35,12 +35,18 @@ def install(app, state: _State) -> None:
         return await completions(state, request)
 
 
-async def chat_completions(state: _State, request: Request):
-    config = state.config
-    req = validate(ChatRequest, await _read_json(request, config.max_body_bytes))
+async def _body(state: _State, request: Request, model_cls):
+    """A generation request's body, validated, for a ready server serving the model it names."""
+    req = validate(model_cls, await _read_json(request, state.config.max_body_bytes))
     _require_ready(state)
     state.check_model(req.model)
     reject_unsupported(req)
+    return req
+
+
+async def chat_completions(state: _State, request: Request):
+    config = state.config
+    req = await _body(state, request, ChatRequest)
     if not req.messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages", code="invalid_value")
     check_turns(state, len(req.messages))
@@ -57,10 +63,7 @@ async def chat_completions(state: _State, request: Request):
 
 async def completions(state: _State, request: Request):
     config = state.config
-    req = validate(CompletionRequest, await _read_json(request, config.max_body_bytes))
-    _require_ready(state)
-    state.check_model(req.model)
-    reject_unsupported(req)
+    req = await _body(state, request, CompletionRequest)
     prompt = req.prompt
     tokens = None
     if isinstance(prompt, list):
