@@ -288,6 +288,7 @@ class _Loop:
         self.limit = self.n_prompt + max_tokens  # len(committed) once max_tokens are generated
         self.plain_cycle = getattr(policy, "plain_cycle", None)   # optional (GammaPolicy): a cycle known plain
         self.penalise = penalised(sampling)
+        self.greedy = sampling.greedy            # (a property of the frozen SamplingArgs: asked once)
         self.learns = type(policy) is not FixedGamma   # FixedGamma.observe does nothing: not even called
         self.evaluate = target.eval              # _EvalAhead puts its own in
         self.last: np.ndarray | None = None      # the target's logits at the last verified position
@@ -349,12 +350,12 @@ class _Loop:
         if self.constraint is not None:        # position i: the grammar state after committed + draft[:i]
             base = len(committed) - self.n_prompt
             logits = [apply_mask(logits[i], self.constraint.mask_at(base + i)) for i in range(gamma + 1)]
-        if sampling.greedy and gamma == 0:
+        if self.greedy and gamma == 0:
             n_acc, nxt = 0, greedy_token(logits[0], sampling, committed)    # plain greedy decoding
         else:
             # what the repetition penalty sees at each position
             contexts = _contexts(committed, draft) if self.penalise else [committed] * (gamma + 1)
-            if sampling.greedy:
+            if self.greedy:
                 n_acc, nxt = verify_greedy([greedy_token(logits[i], sampling, contexts[i])
                                             for i in range(gamma + 1)], draft)
             else:   # p: the target's distribution at each verified position, same transforms as q
