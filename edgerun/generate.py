@@ -1,13 +1,12 @@
 """THE decode loop. Plain decoding is speculative decoding with gamma = 0.
 
-Each cycle:  draft gamma tokens -> ONE target eval of [pending] + draft (gamma + 1 positions)
--> verify (Leviathan rejection sampling) -> policy.observe -> commit accepted + next token.
-`pending` is the last committed token, not yet in the target's KV cache; the target cache
-always holds `committed[:-1]` between cycles, and the `finally` restores that invariant
-(rollback) whatever happens: an exception, a stop string, or a consumer that closes the stream.
-(A backend with `begin_eval`, a lone sequence of a batching group, may already be evaluating
-`pending` while a plain cycle's Steps are yielded: the next cycle takes that result; the `finally`
-waits for it before it rolls back.)
+generate() sets up, prefills, and runs an outer loop: `cycle()`, then `commit()` of what the cycle decided.
+One cycle (_Loop.cycle), read top to bottom:  draft gamma tokens -> verify: ONE target eval of [pending] +
+draft (gamma + 1 positions) and Leviathan rejection sampling -> rollback of the rejected drafts (KV cache and
+grammar) -> policy.observe; commit() then appends the accepted drafts and the target's token, releasing Steps.
+`pending` is the last committed token, not yet in the target's KV cache; the target cache holds (a prefix of)
+`committed[:-1]` between cycles, and the `finally` restores that invariant (_Loop.restore) whatever happens:
+an exception, a stop string, or a consumer that closes the stream.
 
 With a constraint (a grammar), every verified position's logits are masked with the grammar state
 after the tokens before it, for the drafter (while drafting, which advances the constraint over the
@@ -16,9 +15,13 @@ the KV cache, so after every cycle it holds exactly the committed tokens.
 
 Forced runs (docs/free_drafts.md): where the grammar's mask allows exactly one token after a committed
 token, that token has probability 1 under the masked target: it is committed at once, with no logits and
-no sampling, and so are the ones forced after it. The target cache then lags the committed tokens by the
-run: the next cycle evaluates [pending, *run, *draft] in one call that asks for logits at the last
-gamma + 1 positions only. In general the cache holds a prefix of `committed[:-1]` between cycles.
+no sampling, and so are the ones forced after it (_forced_run). The target cache then lags the committed
+tokens by the run: the next cycle evaluates [pending, *run, *draft] in one call that asks for logits at the
+last gamma + 1 positions only.
+
+Evaluation begun ahead (_EvalAhead, an optional wrapper around cycle()): on a backend with `begin_eval` (a
+lone sequence of a batching group), plain decoding begins the next cycle's evaluation before this cycle's
+Steps are yielded; the next cycle takes that result, and the `finally` waits for it before it rolls back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import codecs
 import os
 import time
+from time import perf_counter as _now
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 
@@ -230,40 +234,187 @@ def generate(
             f"shorten the prompt or load the model with a larger n_ctx")
     stats = stats if stats is not None else GenStats()
     stats.finish_reason = None
-    rng = rng if rng is not None else np.random.default_rng(sampling.seed)
     policy = policy if (policy is not None and drafter is not None) else FixedGamma(0)
     if isinstance(policy, FixedGamma) and policy.gamma == 0:
         drafter = None                          # plain decoding: the drafter is not even asked for a hint
-    plain_cycle = getattr(policy, "plain_cycle", None)   # optional (GammaPolicy): a cycle known to run plain
-    is_eog = is_eog or target.tokenizer.is_eog
-    penalise = penalised(sampling)
-    releaser = _TextReleaser(target.tokenizer.token_bytes, stop)
     if constraint is not None:
         constraint.reset()
-    # optional Constraint methods (GrammarConstraint): forced_token() and is_end(token)
-    forced_token = getattr(constraint, "forced_token", None) if hasattr(constraint, "is_end") else None
-    if forced_runs is False or (forced_runs is None and not FORCED_RUNS):
-        forced_token = None
-
+    forced = (hasattr(constraint, "forced_token") and hasattr(constraint, "is_end")   # optional Constraint methods
+              and forced_runs is not False and (forced_runs is not None or FORCED_RUNS))
     t_start = time.perf_counter()
-    committed = list(prompt_tokens)            # committed[-1] is `pending`: not yet in the target cache
-    limit = len(committed) + max_tokens        # len(committed) once max_tokens are generated
-    stats.n_prompt_tokens = len(committed)
+    loop = _Loop(target, prompt_tokens, max_tokens, sampling, drafter, policy,
+                 rng if rng is not None else np.random.default_rng(sampling.seed), stats,
+                 is_eog or target.tokenizer.is_eog, constraint, forced,
+                 _TextReleaser(target.tokenizer.token_bytes, stop))
+    begin_eval = getattr(target, "begin_eval", None) if drafter is None else None
+    ahead = _EvalAhead(loop, begin_eval) if begin_eval is not None else None
+    cycle, commit = ahead.cycle if ahead is not None else loop.cycle, loop.commit
+    try:
+        loop.prefill()
+        stats.t_prefill_s = time.perf_counter() - t_start
+        if max_tokens == 0:
+            stats.finish_reason = "length"             # nothing to generate: the prompt is prefilled all the same
+            return
+        finish = yield from loop.opening_run()
+        while finish is None:
+            out = cycle()
+            if out is None:
+                finish = "length"                      # context full (documented policy: stop, no sliding)
+                break
+            finish = yield from commit(*out)
+        stats.finish_reason = finish
+        if finish != "stop":
+            yield from loop.releaser.flush()
+    finally:
+        if ahead is not None:
+            ahead.settle()
+        loop.restore()
+        stats.t_total_s = time.perf_counter() - t_start
 
-    def commit(new: list[int], n_acc: int, gamma: int, t_draft: float, t_verify: float,
-               n_forced: int = 0) -> Generator[Step, None, str | None]:
+
+class _Loop:
+    """One generation's decode state (the committed tokens; `pending`, their last, is not yet in the target's
+    cache) and its steps: cycle() drafts, verifies and rolls back; commit() appends what a cycle decided."""
+
+    def __init__(self, target: Backend, prompt_tokens: Sequence[int], max_tokens: int, sampling: SamplingArgs,
+                 drafter: Drafter | None, policy: GammaPolicy, rng: np.random.Generator, stats: GenStats,
+                 is_eog: Callable[[int], bool], constraint: Constraint | None, forced: bool,
+                 releaser: _TextReleaser) -> None:
+        self.target, self.sampling, self.drafter, self.policy, self.rng = target, sampling, drafter, policy, rng
+        self.stats, self.is_eog, self.constraint, self.forced, self.releaser = (stats, is_eog, constraint, forced,
+                                                                               releaser)
+        self.committed = list(prompt_tokens)    # committed[-1] is `pending`: not yet in the target cache
+        self.n_prompt = stats.n_prompt_tokens = len(self.committed)
+        self.limit = self.n_prompt + max_tokens  # len(committed) once max_tokens are generated
+        self.plain_cycle = getattr(policy, "plain_cycle", None)   # optional (GammaPolicy): a cycle known plain
+        self.penalise = penalised(sampling)
+        self.greedy = sampling.greedy            # (a property of the frozen SamplingArgs: asked once)
+        self.learns = type(policy) is not FixedGamma   # FixedGamma.observe does nothing: not even called
+        self.evaluate = target.eval              # _EvalAhead puts its own in
+        self.last: np.ndarray | None = None      # the target's logits at the last verified position
+        self.n_tail = 1                          # positions before the drafts: pending and a forced run
+
+    def prefill(self) -> None:
+        """Reuse the cached prefix (multi-turn chat), evaluate the rest of the prompt without logits."""
+        target, committed = self.target, self.committed
+        keep = common_prefix(target.tokens, committed[:-1])
+        target.truncate(keep)
+        if keep < len(committed) - 1:
+            target.eval(committed[keep:-1], n_logits=0)
+
+    def cycle(self) -> tuple[list[int], int, int, float, float, int] | None:
+        """draft -> verify -> rollback: (the tokens to commit, drafts accepted, gamma, t_draft, t_verify, forced
+        tokens at the end), or None when the context is full."""
+        room = self.target.n_ctx - len(self.committed)     # cache slots left for drafts once pending goes in
+        if room < 0:
+            return None
+        gamma = self.draft_length(room) if self.drafter is not None else 0
+        t0 = _now()
+        draft, q = self.draft(gamma) if gamma > 0 else ([], None)
+        t1 = _now()
+        n_acc, nxt = self.verify(draft, q)
+        t2 = _now()
+        gamma = len(draft)
+        run = self.rollback(gamma, n_acc, nxt) if n_acc < gamma or self.constraint is not None else []
+        if self.learns:
+            _observe(self.policy, gamma, n_acc, t1 - t0, t2 - t1, times=self.n_tail == 1)
+        self.n_tail = 1 + len(run)
+        self.stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
+        return [*draft[:n_acc], nxt, *run], n_acc, gamma, t1 - t0, t2 - t1, len(run)
+
+    def draft_length(self, room: int) -> int:
+        """The policy's gamma for this cycle, within max_tokens and the context."""
+        drafter, committed = self.drafter, self.committed
+        lag = drafter.lag(committed)
+        if self.plain_cycle is not None and self.plain_cycle(lag):
+            return 0
+        return min(self.policy.choose(drafter.hint(committed, self.last), lag), self.limit - len(committed) - 1,
+                   room)
+
+    def draft(self, gamma: int) -> tuple[list[int], object]:
+        """The drafter's tokens (up to gamma) and their distributions q (None: point masses); it advances the
+        constraint over them."""
+        base = len(self.committed) - self.n_prompt           # generated tokens: what the constraint holds
+        draft, q = self.drafter.propose(self.committed, gamma, self.sampling, self.rng, self.constraint)
+        if self.constraint is not None and len(self.constraint.tokens) != base + len(draft):
+            raise BackendError(f"drafter {self.drafter.name} did not advance the constraint over its "
+                               f"{len(draft)} drafted tokens")
+        return draft, q
+
+    def verify(self, draft: list[int], q) -> tuple[int, int]:
+        """ONE target evaluation of pending, a forced run committed after it and the drafts, with logits at the
+        last gamma + 1 positions, masked by the grammar; then the rejection sampler (its one-hot case from
+        argmaxes when greedy). Returns (drafts accepted, the target's next token)."""
+        gamma, committed, sampling = len(draft), self.committed, self.sampling
+        logits = self.evaluate([*committed[self.target.n_past:], *draft], n_logits=gamma + 1)   # [gamma + 1, V]
+        if self.constraint is not None:        # position i: the grammar state after committed + draft[:i]
+            base = len(committed) - self.n_prompt
+            logits = [apply_mask(logits[i], self.constraint.mask_at(base + i)) for i in range(gamma + 1)]
+        if self.greedy and gamma == 0:
+            n_acc, nxt = 0, greedy_token(logits[0], sampling, committed)    # plain greedy decoding
+        else:
+            # what the repetition penalty sees at each position
+            contexts = _contexts(committed, draft) if self.penalise else [committed] * (gamma + 1)
+            if self.greedy:
+                n_acc, nxt = verify_greedy([greedy_token(logits[i], sampling, contexts[i])
+                                            for i in range(gamma + 1)], draft)
+            else:   # p: the target's distribution at each verified position, same transforms as q
+                n_acc, nxt = verify([dist(logits[i], sampling, contexts[i]) for i in range(gamma + 1)],
+                                    q, draft, self.rng)
+        self.last = logits[n_acc]
+        return n_acc, nxt
+
+    def rollback(self, gamma: int, n_acc: int, nxt: int) -> list[int]:
+        """Drop the rejected drafts from the target's cache and the constraint, advance the constraint over the
+        target's token; return the forced run after it."""
+        # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts (nothing to drop
+        # when every draft was accepted, as in every plain cycle: no call into the backend)
+        if n_acc < gamma:
+            self.target.truncate(len(self.committed) + n_acc)
+        constraint = self.constraint
+        if constraint is None:
+            return []
+        constraint.rollback(gamma - n_acc)
+        if self.is_eog(nxt):
+            return []
+        constraint.consume(nxt)
+        return self.forced_run(n_acc + 1) if self.forced else []
+
+    def forced_run(self, n_new: int) -> list[int]:
+        """The tokens the grammar forces after the constraint's tokens, consumed into it (an end-of-generation
+        token last, not consumed), at most as many as may be committed after n_new more tokens: within
+        max_tokens, and within the context plus the one token the token-by-token path could sample at its last
+        position."""
+        run = _forced_run(self.constraint, self.is_eog,
+                          min(self.limit, self.target.n_ctx + 1) - len(self.committed) - n_new)
+        if run:
+            self.stats.n_forced_runs += 1
+        return run
+
+    def opening_run(self) -> Generator[Step, None, str | None]:
+        """Commit the answer's first tokens where the grammar forces them (evaluated with the first cycle)."""
+        run = self.forced_run(0) if self.forced else []
+        if not run:
+            return None
+        self.n_tail += len(run)
+        return (yield from self.commit(run, 0, 0, 0.0, 0.0, len(run)))
+
+    def commit(self, new: list[int], n_acc: int, gamma: int, t_draft: float, t_verify: float,
+               n_forced: int) -> Generator[Step, None, str | None]:
         """Commit a cycle's tokens (its n_acc accepted drafts, then the target's token, then the n_forced
         tokens of the forced run after it), yield the Steps the releaser lets out, and return why generation
         ends ('eos' | 'stop' | 'length'; None: go on)."""
+        committed, is_eog, stats, push, limit = self.committed, self.is_eog, self.stats, self.releaser.push, self.limit
         first_forced = len(new) - n_forced
         for i, tok in enumerate(new):
             committed.append(tok)
             if is_eog(tok):
                 return "eos"
             stats.n_tokens += 1
-            stats.n_forced += i >= first_forced
-            steps, hit = releaser.push(tok, i < n_acc, gamma, n_acc,       # the cycle's times ride on its first Step
-                                       t_draft if i == 0 else 0.0, t_verify if i == 0 else 0.0, i >= first_forced)
+            if i >= first_forced:
+                stats.n_forced += 1
+            steps, hit = push(tok, i < n_acc, gamma, n_acc,       # the cycle's times ride on its first Step
+                              t_draft if i == 0 else 0.0, t_verify if i == 0 else 0.0, i >= first_forced)
             yield from steps
             if hit:
                 return "stop"
@@ -271,123 +422,66 @@ def generate(
                 return "length"
         return None
 
-    def forced_run(n_new: int) -> list[int]:
-        """The tokens the grammar forces after the constraint's tokens, consumed into it (an end-of-generation
-        token last, not consumed), at most as many as may be committed after n_new more tokens: within
-        max_tokens, and within the context plus the one token the old path could sample at its last position."""
-        run: list[int] = []
-        budget = min(limit, target.n_ctx + 1) - len(committed) - n_new
-        while len(run) < budget:
-            tok = forced_token()
-            if tok is None or (not is_eog(tok) and constraint.is_end(tok)):
-                break                                  # a choice, or an end this loop's is_eog does not end on
-            run.append(tok)
-            if is_eog(tok):
-                break
-            constraint.consume(tok)
-        if run:
-            stats.n_forced_runs += 1
-        return run
+    def restore(self) -> None:
+        """Rollback whatever happened: the target cache holds a prefix of the committed tokens minus pending, the
+        constraint exactly the committed generated tokens."""
+        self.target.truncate(min(self.target.n_past, len(self.committed) - 1))
+        if self.constraint is not None:
+            self.constraint.truncate(len(self.committed) - self.n_prompt)
 
-    # plain decoding on a backend that can evaluate in the background (a lone sequence of a batching group):
-    # the next token's evaluation starts before this one's Steps are yielded, so what the consumer does with
-    # a token (the server's hand-off, stop checks) runs beside the evaluation instead of before it
-    begin_eval = getattr(target, "begin_eval", None) if drafter is None else None
-    ahead = None                                # the waiter of an evaluation of [pending] begun ahead
 
-    try:
-        # prefill: reuse the cached prefix (multi-turn chat), evaluate the rest without logits
-        keep = common_prefix(target.tokens, committed[:-1])
-        target.truncate(keep)
-        if keep < len(committed) - 1:
-            target.eval(committed[keep:-1], n_logits=0)
-        stats.t_prefill_s = time.perf_counter() - t_start
-        if max_tokens == 0:
-            stats.finish_reason = "length"             # nothing to generate: the prompt is prefilled all the same
-            return
+def _contexts(committed: list[int], draft: list[int]) -> list[list[int]]:
+    """The tokens before each verified position: committed, then committed + draft[:i]."""
+    return [committed, *[committed + draft[:i] for i in range(1, len(draft) + 1)]]
 
-        finish = None
-        last = None                                    # the target's logits at the last verified position
-        n_tail = 1                                     # positions before the drafts: pending and a forced run
-        if forced_token is not None:                   # the grammar may force the answer's first tokens
-            run = forced_run(0)
-            if run:
-                n_tail += len(run)
-                finish = yield from commit(run, 0, 0, 0.0, 0.0, len(run))
-        while finish is None:
-            room = target.n_ctx - len(committed)       # cache slots left for drafts once pending goes in
-            if room < 0:
-                finish = "length"                      # context full (documented policy: stop, no sliding)
-                break
-            gamma = 0
-            lag = drafter.lag(committed) if drafter is not None else 0
-            if drafter is not None and not (plain_cycle is not None and plain_cycle(lag)):
-                gamma = min(policy.choose(drafter.hint(committed, last), lag), limit - len(committed) - 1, room)
-            t0 = time.perf_counter()
-            base = len(committed) - stats.n_prompt_tokens      # generated tokens: what the constraint holds
-            draft, q = drafter.propose(committed, gamma, sampling, rng, constraint) if gamma > 0 else ([], None)
-            gamma = len(draft)
-            if constraint is not None and len(constraint.tokens) != base + gamma:
-                raise BackendError(f"drafter {drafter.name} did not advance the constraint over its "
-                                   f"{gamma} drafted tokens")
-            t1 = time.perf_counter()
-            if ahead is not None:
-                logits, ahead = ahead(), None
-            else:
-                # pending and a forced run committed after it (no forced run: committed[-1:]), then the drafts
-                logits = target.eval([*committed[target.n_past:], *draft], n_logits=gamma + 1)   # [gamma + 1, V]
-            if constraint is not None:         # position i: the grammar state after committed + draft[:i]
-                logits = [apply_mask(logits[i], constraint.mask_at(base + i)) for i in range(gamma + 1)]
 
-            def context_at(i: int) -> list[int]:          # what the repetition penalty sees at position i
-                return committed if i == 0 or not penalise else committed + draft[:i]
+def _forced_run(constraint, is_eog: Callable[[int], bool], budget: int) -> list[int]:
+    """Up to `budget` tokens, each the only one the grammar allows after the ones before it, consumed into the
+    constraint; an end-of-generation token ends the run (last, not consumed)."""
+    run: list[int] = []
+    while len(run) < budget:
+        tok = constraint.forced_token()
+        if tok is None or (not is_eog(tok) and constraint.is_end(tok)):
+            break                                  # a choice, or an end this loop's is_eog does not end on
+        run.append(tok)
+        if is_eog(tok):
+            break
+        constraint.consume(tok)
+    return run
 
-            if sampling.greedy and gamma == 0:
-                n_acc, nxt = 0, greedy_token(logits[0], sampling, committed)    # plain greedy decoding
-            elif sampling.greedy:
-                # greedy: the target's argmax at each verified position decides (verify()'s one-hot case)
-                n_acc, nxt = verify_greedy([greedy_token(logits[i], sampling, context_at(i))
-                                            for i in range(gamma + 1)], draft)
-            else:
-                # p: the target's distribution at each verified position (gamma + 1 Dists), same transforms as q
-                n_acc, nxt = verify([dist(logits[i], sampling, context_at(i)) for i in range(gamma + 1)],
-                                    q, draft, rng)
-            t2 = time.perf_counter()
-            last = logits[n_acc]
-            # the cache holds committed + draft; keep committed (incl. old pending) + accepted drafts (nothing
-            # to drop when every draft was accepted, as in every plain cycle: no call into the backend)
-            if n_acc < gamma:
-                target.truncate(len(committed) + n_acc)
-            run: list[int] = []
-            if constraint is not None:
-                constraint.rollback(gamma - n_acc)
-                if not is_eog(nxt):
-                    constraint.consume(nxt)
-                    if forced_token is not None:
-                        run = forced_run(n_acc + 1)
-            new = [*draft[:n_acc], nxt, *run]
-            n_after = len(committed) + len(new)
-            if (begin_eval is not None and gamma == 0 and not is_eog(new[-1]) and n_after < limit
-                    and n_after <= target.n_ctx):
-                # the next cycle evaluates [nxt, *run] unless a stop string ends it (then the finally rolls it
-                # back); it needs logits at the last position only
-                ahead = begin_eval([nxt, *run], n_logits=1)
-            _observe(policy, gamma, n_acc, t1 - t0, t2 - t1, times=n_tail == 1)
-            n_tail = 1 + len(run)
-            stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
-            finish = yield from commit(new, n_acc, gamma, t1 - t0, t2 - t1, len(run))
-        stats.finish_reason = finish
-        if finish != "stop":
-            yield from releaser.flush()
-    finally:
-        if ahead is not None:                   # begun for a cycle that did not come: let it end first
+
+class _EvalAhead:
+    """Plain decoding on a backend that can evaluate in the background (a lone sequence of a batching group):
+    the next cycle's evaluation of [pending, *forced run] begins before this cycle's Steps are yielded, so what
+    the consumer does with a token (the server's hand-off, stop checks) runs beside the evaluation instead of
+    before it. Wraps the loop's cycle(); the next cycle's evaluation takes the result."""
+
+    def __init__(self, loop: _Loop, begin_eval: Callable) -> None:
+        self.loop, self.begin_eval = loop, begin_eval
+        self.waiter: Callable[[], np.ndarray] | None = None
+        loop.evaluate = self.evaluate
+
+    def cycle(self) -> tuple[list[int], int, int, float, float, int] | None:
+        out = self.loop.cycle()
+        if out is not None:
+            new, loop = out[0], self.loop
+            n_after = len(loop.committed) + len(new)
+            if not loop.is_eog(new[-1]) and n_after < loop.limit and n_after <= loop.target.n_ctx:
+                # the next cycle evaluates new = [nxt, *run] unless a stop string ends it (then settle() and the
+                # loop's restore() roll it back); it needs logits at the last position only
+                self.waiter = self.begin_eval(new, n_logits=1)
+        return out
+
+    def evaluate(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:
+        waiter, self.waiter = self.waiter, None
+        return waiter() if waiter is not None else self.loop.target.eval(tokens, n_logits=n_logits)
+
+    def settle(self) -> None:
+        """An evaluation begun for a cycle that did not come: let it end first (its failure no longer matters;
+        the loop's restore() rolls back)."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None:
             try:
-                ahead()
-            except Exception:                   # its failure no longer matters; the rollback below does
+                waiter()
+            except Exception:
                 pass
-        # rollback: the target cache holds exactly the committed tokens minus pending, the constraint
-        # exactly the committed generated tokens
-        target.truncate(min(target.n_past, len(committed) - 1))
-        if constraint is not None:
-            constraint.truncate(len(committed) - stats.n_prompt_tokens)
-        stats.t_total_s = time.perf_counter() - t_start
