@@ -129,4 +129,6 @@ def install(app, state) -> None:
     for path in UNSUPPORTED:
         app.add_api_route(path, unsupported(path), methods=["POST", "DELETE", "GET"])
     app.add_api_route("/api/blobs/{digest}", unsupported("/api/blobs"), methods=["POST", "HEAD"])
+    # /metrics counts these under their own endpoint label (edgerun_requests_total{endpoint="/api/chat"}), as /v1/*
+    state.metrics.name_endpoints([path for _, path, _ in ROUTES] + list(UNSUPPORTED), prefixes=["/api/blobs"])
     app.add_middleware(OllamaErrors)
