@@ -108,3 +108,19 @@ def test_endpoint_labels_stay_a_bounded_set():
     m.count_request(m.endpoint_of("/api/chat"), 200)
     assert 'edgerun_requests_total{endpoint="/api/chat",status="200"} 1' in \
         m.render(queue_depth=0, queue_limit=1, busy=False, ready=True)
+
+
+@pytest.mark.real_model
+def test_model_facts_found_by_name_when_the_runtime_names_no_file():
+    """tags/show/ps describe the model from its cached file when the loaded backend has no file path."""
+    from types import SimpleNamespace
+
+    from edgerun.resolve import resolve_model
+    from edgerun.serve.ollama.facts import Facts
+
+    r = CliRunner().invoke(main, ["pull", MODEL])
+    assert r.exit_code == 0, r.output
+    state = SimpleNamespace(model_id=MODEL, scheduler=SimpleNamespace(runtime=SimpleNamespace(target=None)))
+    f = Facts(state)
+    assert f.path == resolve_model(MODEL, pull=False) and f.size == f.path.stat().st_size
+    assert f.details()["family"] == "llama" and f.details()["quantization_level"]

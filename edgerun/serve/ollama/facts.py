@@ -10,6 +10,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ...errors import EdgerunError
+from ...formats.ggufscan import read_info
+from ...registry.manifest import get_manifest
+from ...resolve import resolve_model
 from .translate import served_name
 
 log = logging.getLogger(__name__)
@@ -31,8 +34,6 @@ def _model_file(state) -> Path | None:
     if path is not None:
         return Path(path)
     try:
-        from ...registry.cache import resolve_model
-
         return Path(resolve_model(state.model_id, pull=False))
     except (EdgerunError, OSError):
         return None
@@ -48,15 +49,11 @@ class Facts:
             st = self.path.stat()
             self.size, self.modified = st.st_size, st.st_mtime
             try:
-                from ...formats.ggufscan import read_info
-
                 self.meta = read_info(self.path).metadata
             except Exception as e:                # noqa: BLE001 - a header we cannot read leaves the details empty
                 log.info("could not read the GGUF header of %s: %s", self.path, e)
         pinned = None
         try:
-            from ...registry.manifest import get_manifest
-
             pinned = get_manifest(state.model_id).sha256
         except EdgerunError:
             pass

@@ -9,15 +9,14 @@ from typing import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from ...errors import EdgerunError
+from ...registry.fetch import pull as fetch
+from ...registry.manifest import get_manifest
 from ..protocol import APIError
 from .shape import NDJSON, line
 
 
 async def pull(name: str, stream: bool):
     """Pull a registry model: an NDJSON stream of status lines, or the last line once done."""
-    from ...registry.fetch import pull as fetch
-    from ...registry.manifest import get_manifest
-
     try:
         m = get_manifest(name)
     except EdgerunError as e:
