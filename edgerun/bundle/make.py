@@ -15,7 +15,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from ..config import DEFAULT_MODEL
+from ..device.profiles import load_profile
 from ..errors import InvalidArgument
+from ..registry.manifest import default_draft_for, get_manifest, split_name
+from ..resolve import pull_model
+from ..serve.systemd import DEFAULT_PREFIX, render_unit
 from ..util.atomic import atomic_dir, atomic_path, raise_if_stopped, remove_stale
 from ..version import __version__
 from .files import _place, _reusable, _walk, sha256_file
@@ -28,9 +33,6 @@ FORMAT = 1                     # manifest.json's "format": bumped when install.s
 def _model_files(names: Sequence[str], progress: Progress | None, say: Say | None) -> list[tuple[str, Path]]:
     """(name, cached file) for each model: pulled if missing, re-hashed against its pinned sha256 (a variant,
     made by edgerun here, is taken as made: it is written atomically)."""
-    from ..registry.manifest import get_manifest, split_name
-    from ..resolve import pull_model
-
     out = []
     for name in names:
         base, variant = split_name(name)
@@ -61,9 +63,6 @@ def env_file_text(template: str, model: str, draft: str | None, profile: str) ->
 # --- the bundle ---------------------------------------------------------------------------------------
 
 def resolve_models(spec: BundleSpec) -> tuple[list[str], str | None]:
-    from ..config import DEFAULT_MODEL
-    from ..registry.manifest import default_draft_for, split_name
-
     models = list(dict.fromkeys(spec.models or (DEFAULT_MODEL,)))
     for name in models:
         if os.sep in name or name.endswith((".gguf", ".onnx")):
@@ -132,9 +131,6 @@ def make_bundle(spec: BundleSpec, *, progress: Progress | None = None, say: Say 
 def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: str | None, root: Path,
           pin: str, llama: Path, reuse: dict[str, Path], progress: Progress | None,
           say: Say | None) -> dict:
-    from ..device.profiles import load_profile
-    from ..serve.systemd import DEFAULT_PREFIX, render_unit
-
     d.chmod(0o755)                       # a temporary folder is 0700; the bundle is meant to be read
     wheels = d / "wheels"
     wheels.mkdir()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..device.profiles import load_profile
 from ..errors import EdgerunError, InvalidArgument
 
 # glibc of the boards' usual systems: the newest manylinux tag the bundle's wheels may carry
@@ -75,8 +76,6 @@ def _normal_machine(m: str) -> str:
 
 def target_for(spec: BundleSpec) -> Target:
     """The board a profile describes: Linux, its CPU architecture, the Python and glibc asked for."""
-    from ..device.profiles import load_profile
-
     prof = load_profile(spec.profile)
     if prof.match.system not in (None, "Linux"):
         raise BundleError(f"profile {prof.name} is for {prof.match.system}; bundles are for Linux boards "

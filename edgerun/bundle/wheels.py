@@ -18,6 +18,7 @@ import zipfile
 from pathlib import Path
 from typing import Sequence
 
+from ..device.profiles import load_profile
 from ..util.atomic import atomic_dir
 from ..util.home import cache_dir
 from ..version import __version__
@@ -129,8 +130,6 @@ def llama_wheel_for(target: Target, pin: str, say: Say | None) -> Path:
     """llama-cpp-python for the target when no --llama-wheel is given: built here with the profile's
     CMAKE_ARGS + RPC if this machine is of the target's kind (kept in the cache), the Pi emulation's
     cross-built wheel for a Pi profile, otherwise an error saying how to get one."""
-    from ..device.profiles import load_profile
-
     prof = load_profile(target.profile)
     cmake_args = " ".join(x for x in (prof.build.cmake_args, "-DGGML_RPC=on") if x)
     if target.tegra:
