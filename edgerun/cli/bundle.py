@@ -1,4 +1,4 @@
-"""`edgerun bundle`: an offline install bundle for one board (edgerun/bundle.py does the work)."""
+"""`edgerun bundle`: an offline install bundle for one board (edgerun/bundle/ does the work)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,6 @@ log = logging.getLogger(__name__)
 class _Gate:
     """ASGI middleware: refuses requests without the API key (401) and counts answers by endpoint."""
 
-    KNOWN = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
-
     def __init__(self, app, state: _State) -> None:
         self.app = app
         self.state = state
@@ -29,7 +27,7 @@ class _Gate:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = path if path in self.KNOWN else "other"
+        endpoint = self.state.metrics.endpoint_of(path)
         metrics = self.state.metrics
 
         async def counting_send(message) -> None:

@@ -1,5 +1,5 @@
 """What every generation route does with a request, for the OpenAI routes (app.py) and Ollama's
-(ollama.py) alike: read and bound its body, check it fits, vet its grammar off the worker, queue its job
+(ollama/) alike: read and bound its body, check it fits, vet its grammar off the worker, queue its job
 and read the job's events back to the event loop."""
 
 from __future__ import annotations

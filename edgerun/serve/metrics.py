@@ -43,10 +43,17 @@ class GenerationRecord:
     outcome: str               # stop | length | eos | cancelled | timeout | error
 
 
+# Paths counted under their own `endpoint` label; any other path counts as "other" (a bounded label set).
+# Routes added beside these (Ollama's /api/*) name theirs with Metrics.name_endpoints.
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"})
+
+
 class Metrics:
     def __init__(self, model: str = "") -> None:
         self._lock = threading.Lock()
         self.model = model
+        self.endpoints: set[str] = set(ENDPOINTS)
+        self.endpoint_prefixes: tuple[str, ...] = ()
         self.requests: Counter[tuple[str, int]] = Counter()      # (endpoint, HTTP status) -> count
         self.generations: Counter[str] = Counter()               # outcome -> count
         self.prompt_tokens = 0
@@ -59,6 +66,18 @@ class Metrics:
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
         self.ttft_n = 0
+
+    def name_endpoints(self, paths, prefixes=()) -> None:
+        """Count requests to these paths under their own endpoint label, and a path below one of `prefixes`
+        (a route with a parameter, e.g. /api/blobs/{digest}) under the prefix."""
+        self.endpoints.update(paths)
+        self.endpoint_prefixes += tuple(prefixes)
+
+    def endpoint_of(self, path: str) -> str:
+        """The `endpoint` label of a request path: the path itself for a named route, else "other"."""
+        if path in self.endpoints:
+            return path
+        return next((p for p in self.endpoint_prefixes if path.startswith(p + "/")), "other")
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -99,7 +118,7 @@ class Metrics:
                 for labels, value in samples:
                     out.append(f"{name}{labels} {_num(value)}")
 
-            metric("edgerun_requests_total", "counter", "HTTP requests answered, by endpoint and status code.",
+            metric("edgerun_requests_total", "counter", "HTTP requests answered, by endpoint (the route: /v1/* OpenAI, /api/* Ollama) and status code.",
                    [(f'{{endpoint="{_escape(e)}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
             metric("edgerun_generations_total", "counter", "Generations run, by how they ended.",
                    [(f'{{outcome="{_escape(o)}"}}', n) for o, n in sorted(self.generations.items())])

@@ -39,7 +39,8 @@ def install(app, state) -> None:
     """Register /status and, unless --no-ui, the page's files (answered without the API key)."""
     if state.config.ui:
         for path, (name, ctype) in FILES.items():
-            app.add_api_route(path, _file_route(name, ctype), methods=["GET"], include_in_schema=False)
+            # HEAD answers like GET without the body: Ollama's clients and health checkers probe `HEAD /`
+            app.add_api_route(path, _file_route(name, ctype), methods=["GET", "HEAD"], include_in_schema=False)
             state.open_paths.add(path)
 
     @app.get("/status")
