@@ -37,6 +37,10 @@ def __getattr__(name):
         from . import runtime
 
         return getattr(runtime, name)
+    if name in ("Request", "Structure"):
+        from . import request
+
+        return getattr(request, name)
     if name in ("SamplingArgs", "SpeculativeArgs", "BackendArgs", "QuantArgs"):
         return getattr(config, name)
     raise AttributeError(f"module 'edgerun' has no attribute {name!r}")
