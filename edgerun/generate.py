@@ -328,8 +328,11 @@ class _Loop:
         lag = drafter.lag(committed)
         if self.plain_cycle is not None and self.plain_cycle(lag):
             return 0
-        return min(self.policy.choose(drafter.hint(committed, self.last), lag), self.limit - len(committed) - 1,
-                   room)
+        gamma = min(self.policy.choose(drafter.hint(committed, self.last), lag), self.limit - len(committed) - 1,
+                    room)
+        if gamma > 0 and getattr(drafter, "deferred", False):
+            drafter.load()         # a drafter deferred at start-up (speculative/lazy.py): its load is no draft time
+        return gamma
 
     def draft(self, gamma: int) -> tuple[list[int], object]:
         """The drafter's tokens (up to gamma) and their distributions q (None: point masses); it advances the

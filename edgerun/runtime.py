@@ -27,6 +27,7 @@ from .generate import GenStats, Step, generate
 from .request import Request, Structure, check_sampling
 from .speculative.drafters import ModelDrafter, make_drafter
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
+from .speculative.lazy import plan as draft_plan
 from .speculative.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
@@ -344,7 +345,8 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
          n_ctx: int | None = None, n_threads: int | None = None, n_gpu_layers: int | None = None,
          flash_attn: bool | None = None, gamma=None, gamma_max: int | None = None, p_min: float | None = None,
          pull: bool = True, progress=None, sampling: SamplingArgs | None = None, rpc=None,
-         tensor_split=None, on_lost_worker=None, parallel: int | None = 1, require_gpu: bool = False) -> Runtime:
+         tensor_split=None, on_lost_worker=None, parallel: int | None = 1, require_gpu: bool = False,
+         draft_background: bool = False) -> Runtime:
     """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
 
     draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
@@ -359,6 +361,9 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     target keeps one.
     require_gpu: raise GpuRequired (edgerun/device/gpu.py) unless the target's layers are all on a GPU; without
     it a profile that expects a GPU (Jetson, Apple) only warns when they are not.
+    draft_background: (a server) a drafter the tuner's stored state drafts with loads on a thread while the
+    target already answers. Either way one the stored state says will not draft loads at its first draft
+    (speculative/lazy.py).
     """
     # resolve.py imports convert/, the GGUF writer and the ONNX exporter: 0.3-0.4 s measured after the rest of
     # runtime.py, which `edgerun serve` imports before it listens (the model loads after /health answers)
@@ -412,10 +417,12 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     try:
         gpu = gpu_check.check(prof, target, n_gpu_layers=args.n_gpu_layers, require=require_gpu)
         gpu_check.enforce(gpu, require_gpu)
-        drafter = make_drafter(None if draft is None else (str(draft_path) if draft_path else draft), target,
-                               backend_args=args, spec_args=spec, pull=pull)
-        policy, store = None, None
-        if drafter is not None and spec.gamma is None:
+        lazy = draft_plan(draft_path, target, args, spec, prof, parallel=parallel, background=draft_background)
+        drafter = lazy[0] if lazy else make_drafter(
+            None if draft is None else (str(draft_path) if draft_path else draft), target, backend_args=args,
+            spec_args=spec, pull=pull)
+        policy, store = lazy[1:] if lazy else (None, None)
+        if lazy is None and drafter is not None and spec.gamma is None:
             policy = GammaTuner.for_runtime(prof, target, drafter, spec)
             store = TunerStore.for_pair(target, drafter)
         rt = Runtime(target, model_name=str(model), drafter=drafter,

@@ -10,6 +10,7 @@ import click
 from ..constrain.tools import ToolCallStream, parse_tools
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from ..request import Structure
+from ..speculative.lazy import describe as describe_drafter
 from .options import (build_request, load_runtime, model_options, read_arg_file, require_gpu_option, sampling_kw,
                       sampling_options, structure_kw, with_structure_options)
 
@@ -35,7 +36,8 @@ def generate(prompt, model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_
                       tensor_split, require_gpu) as rt:
         if as_json:
             c = rt.complete(request)
-            out = {"model": rt.model_name, "draft": rt.draft_name, **c.to_dict()}
+            out = {"model": rt.model_name, "draft": rt.draft_name, "drafter": describe_drafter(rt.drafter),
+                   **c.to_dict()}
             click.echo(json.dumps(out))
         else:
             for step in rt.start(request):

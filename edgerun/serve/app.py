@@ -28,7 +28,7 @@ from .handling import _require_ready
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import APIError
 from .settings import ServerConfig
-from .state import _State, _gpu_dict, default_loader
+from .state import _State, _drafter_dict, _gpu_dict, default_loader
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
             body, status = {"status": "ok", "model": state.model_id, "queue_depth": sch.depth, "busy": sch.busy,
                             "integrity": state.integrity}, 200
             body["gpu"] = _gpu_dict(sch.runtime)         # where the target's layers run (device/gpu.py)
+            body["drafter"] = _drafter_dict(sch.runtime)   # loaded, or loading / deferred (speculative/lazy.py)
         headers = {"Retry-After": "5"} if status == 503 else {}
         return JSONResponse(body, status_code=status, headers=headers)
 

@@ -142,6 +142,12 @@ def _gpu_dict(runtime) -> dict | None:
     return gpu.to_dict() if gpu is not None else None
 
 
+def _drafter_dict(runtime) -> dict | None:
+    from ..speculative.lazy import describe
+
+    return describe(getattr(runtime, "drafter", None))
+
+
 def default_loader(config: ServerConfig) -> Callable[[], Any]:
     def load():
         from ..runtime import load as load_runtime
@@ -150,6 +156,7 @@ def default_loader(config: ServerConfig) -> Callable[[], Any]:
                 if v is not None}
         opts["parallel"] = config.parallel          # None: the device profile's
         opts["require_gpu"] = config.require_gpu
+        opts["draft_background"] = True             # ready once the target answers (speculative/lazy.py)
         if config.rpc:
             opts.update(rpc=list(config.rpc), tensor_split=list(config.tensor_split) or None,
                         on_lost_worker=_exit_lost_worker)
