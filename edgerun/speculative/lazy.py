@@ -79,13 +79,14 @@ class LazyDrafter:
     def loaded(self) -> ModelDrafter | None:
         return self._real
 
-    def load(self) -> None:
+    def load(self, *, strict: bool = False) -> None:
         """Load the drafter now (a no-op once loaded or failed). A failure is logged and leaves state 'failed':
-        the generation goes on without drafts."""
+        the generation goes on without drafts; strict: it raises instead (a load before the first token)."""
         with self._lock:
             if self._real is not None or self.state == "failed":
                 return
             from ..backends import open_backend
+            from ..device.costprobe import drafter_key
 
             t0 = time.perf_counter()
             try:
@@ -100,11 +101,11 @@ class LazyDrafter:
                     raise
             except (EdgerunError, OSError) as e:
                 self.state, self.error = "failed", str(e)
+                if strict:
+                    raise
                 log.warning("the drafter %s could not be loaded (%s); generating without drafts", self.name, e)
                 return
             self.load_s = time.perf_counter() - t0
-            from ..device.costprobe import drafter_key
-
             if drafter_key(real, self.target) != self.key:
                 log.warning("the drafter %s loaded with other settings than predicted; the gamma tuner's state is "
                             "kept under the predicted key", self.name)
@@ -220,6 +221,9 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     doc = read_json(probes_dir() / f"draft-{dk}.json") if tk and dk else None
     if not isinstance(doc, dict) or not isinstance(doc.get("t_draft"), (int, float)):
         return None                    # its step time is measured with it loaded: the pair's first run
+    store = TunerStore(key_of("tuner", FORMAT, tk, dk))
+    if not any(store.path(r).exists() for r in REGIMES):
+        return None                    # nothing learned yet: its first run loads it (and measures nothing twice)
     gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
     try:
         tv = probe_costs(target, None, n_max=gmax + 1).t_verify          # cached, or measured on the target
@@ -228,7 +232,6 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
         return None
     tuner = GammaTuner(CostCurve(t_verify=tv, t_draft=float(doc["t_draft"]), source="measured"), gamma_max=gmax,
                        n_classes=ModelDrafter.n_classes)
-    store = TunerStore(key_of("tuner", FORMAT, tk, dk))
     drafts = {}
     for r in REGIMES:
         t = tuner.fresh()
@@ -237,16 +240,19 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     if not known:
         return None
     name = str(draft_path)
+    said = ", ".join(f"{r}: {'on' if v else 'off'}" for r, v in known.items())
     if not any(known.values()):
-        why = "the gamma tuner's stored state for this device and pair drafts no time soon (" + \
-              ", ".join(f"{r}: off" for r in known) + "): loaded at the first cycle that drafts"
+        why = f"the gamma tuner's stored state for this device and pair drafts no time soon ({said}): loaded at " \
+              f"the first cycle that drafts"
         lazy = LazyDrafter(draft_path, target, args, spec, name=name, key=dk, reason=why)
     elif background:
-        why = "the tuner drafts (" + ", ".join(f"{r}: {'on' if v else 'off'}" for r, v in known.items()) + \
-              "): loading beside the target, which answers meanwhile"
+        why = f"the tuner drafts ({said}): loading beside the target, which answers meanwhile"
         lazy = LazyDrafter(draft_path, target, args, spec, name=name, key=dk, reason=why)
         lazy.start_background()
     else:
-        return None
+        # loaded now, as without a plan; the tuner is the one built here (the curve is not measured twice)
+        lazy = LazyDrafter(draft_path, target, args, spec, name=name, key=dk,
+                           reason=f"the tuner drafts ({said}): loaded before the first token")
+        lazy.load(strict=True)
     log.info("drafter %s: %s", name, lazy.reason)
     return lazy, tuner, store
