@@ -82,19 +82,23 @@ def learned(smol, draft_file, tmp_path_factory):
     from edgerun.device.costprobe import drafter_key, measure_draft_step
     from edgerun.device.measurements import atomic_write_json, probes_dir
     from edgerun.runtime import load
-    from edgerun.speculative.lazy import predicted_key
+    from edgerun.speculative.lazy import LazyDrafter, predicted_key
 
     home = tmp_path_factory.mktemp("home-learned")
     first = _generate(home, smol, draft_file, n=16)
     with _Home(home):
         rt = load(str(smol), draft=str(draft_file), profile="generic-x86_64-cpu", n_threads=1, n_ctx=256, pull=False)
         try:
-            real = drafter_key(rt.drafter, rt.target)
+            drafter = rt.drafter
+            if isinstance(drafter, LazyDrafter):     # the step time was cached by the first run: deferred here
+                drafter.load(strict=True)
+                drafter = drafter.loaded
+            real = drafter_key(drafter, rt.target)
             predicted = predicted_key(draft_file, _args(), rt.target)
             dpath = probes_dir() / f"draft-{real}.json"
             if not dpath.exists():          # what a quiet machine's probe keeps by itself
-                atomic_write_json(dpath, {"t_draft": measure_draft_step(rt.drafter, rt.target),
-                                          "drafter": rt.drafter.name})
+                atomic_write_json(dpath, {"t_draft": measure_draft_step(drafter, rt.target),
+                                          "drafter": drafter.name})
         finally:
             rt.close()
     return home, first, predicted, real
