@@ -402,14 +402,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     if rpc:
         cluster = cluster_plan(rpc, tensor_split, target_path, kv_bytes=kv_bytes * parallel, n_gpu_layers=n_gpu_layers)
         target_bytes, kv_bytes = cluster.placement.head_bytes, cluster.placement.head_kv // parallel
-    try:
-        check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes,
-                         kv_bytes=(kv_bytes + draft_kv) * parallel, n_ctx=args.n_ctx)
-    except MemoryBudgetError as e:
-        if parallel == 1:
-            raise
-        raise MemoryBudgetError(f"{e}; or fewer generation slots (--parallel {parallel} reserves {parallel} "
-                                f"KV caches of {args.n_ctx} positions)") from None
+    _check_fit(prof, target_bytes, draft_bytes, kv_bytes + draft_kv, parallel, args.n_ctx)
 
     if cluster is not None:
         cluster.attach(on_lost_worker)
@@ -433,6 +426,18 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     except BaseException:
         target.close()
         raise
+
+
+def _check_fit(prof, target_bytes: int, draft_bytes: int, kv_bytes: int, parallel: int, n_ctx: int) -> None:
+    """The memory check of a load (MemoryBudgetError), naming --parallel where several KV caches are asked for."""
+    try:
+        check_memory_fit(prof, target_bytes=target_bytes, draft_bytes=draft_bytes, kv_bytes=kv_bytes * parallel,
+                         n_ctx=n_ctx)
+    except MemoryBudgetError as e:
+        if parallel == 1:
+            raise
+        raise MemoryBudgetError(f"{e}; or fewer generation slots (--parallel {parallel} reserves {parallel} "
+                                f"KV caches of {n_ctx} positions)") from None
 
 
 class TokenStream:
