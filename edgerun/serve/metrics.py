@@ -107,7 +107,8 @@ class Metrics:
 
     def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool, slots: int = 1,
                running: int | None = None, batch: tuple[int, int, float, int] = (0, 0, 0.0, 0),
-               prompt_cache: tuple[int, int, int, int] = (0, 0, 0, 0), gpu: dict | None = None) -> str:
+               prompt_cache: tuple[int, int, int, int] = (0, 0, 0, 0), gpu: dict | None = None,
+               suffix_history: list[tuple[str, int, int, int]] | None = None) -> str:
         """The exposition text. Live values (queue, readiness) are passed in by the caller."""
         with self._lock:
             out: list[str] = []
@@ -182,6 +183,15 @@ class Metrics:
                        [("", gpu["n_layers"] if gpu["n_layers"] is not None else float("nan"))])
                 metric("edgerun_gpu_problem", "gauge", "1 when the profile expects a GPU that the target does not "
                        "use (the log and /health say why and what fixes it).", [("", int(gpu["problem"] is not None))])
+            if suffix_history is not None:   # --suffix-history: (key label, tokens held, hits, drafted) per key
+                metric("edgerun_suffix_history_tokens", "gauge",
+                       "Tokens of earlier answers held for suffix drafts, by API key (1, 2, ... in the key file's "
+                       "order; none: a keyless server).", [(f'{{key="{_escape(k)}"}}', n) for k, n, _, _ in suffix_history])
+                metric("edgerun_suffix_history_hits_total", "counter",
+                       "Drafts proposed from earlier answers, by API key.",
+                       [(f'{{key="{_escape(k)}"}}', h) for k, _, h, _ in suffix_history])
+                metric("edgerun_suffix_history_draft_tokens_total", "counter",
+                       "Tokens in those drafts, by API key.", [(f'{{key="{_escape(k)}"}}', d) for k, _, _, d in suffix_history])
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"
