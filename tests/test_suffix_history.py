@@ -93,6 +93,22 @@ def test_keys_are_separate_buckets():
     assert h.stats() == [("1", 7, 0, 0), ("2", 0, 0, 0)]
 
 
+def test_metrics_show_each_keys_history_and_nothing_when_off():
+    from edgerun.serve.metrics import Metrics
+
+    h = SuffixHistory(1000)
+    h.bucket(2, "2").add([5, 6, 7], prompt=[1])
+    cur = h.bucket(2).cursor()
+    cur.feed([1, 5])
+    cur.count(len(cur.continuation(cur.match()[1], 4)))
+    text = Metrics().render(queue_depth=0, queue_limit=1, busy=False, ready=True, suffix_history=h.stats())
+    assert 'edgerun_suffix_history_tokens{key="2"} 4' in text
+    assert 'edgerun_suffix_history_hits_total{key="2"} 1' in text
+    assert 'edgerun_suffix_history_draft_tokens_total{key="2"} 2' in text
+    off = Metrics().render(queue_depth=0, queue_limit=1, busy=False, ready=True)
+    assert "suffix_history" not in off
+
+
 def brute(ctx: list[int], answers: list[list[int]]) -> int:
     """Length of the longest suffix of ctx found inside one answer."""
     best = 0
@@ -123,9 +139,9 @@ def test_a_cursor_finds_the_longest_match_inside_one_answer(alphabet):
             if k:
                 sa = cur.blocks[where].sa
                 end = sa.end[cur.state[where]]
-                assert sa.tokens[end - k + 1:end + 1] == ctx[-k:]     # a real occurrence...
+                assert list(sa.tokens[end - k + 1:end + 1]) == ctx[-k:]     # a real occurrence...
                 cont = cur.continuation(where, 4)
-                assert SEPARATOR not in cont and sa.tokens[end + 1:end + 1 + len(cont)] == cont   # ...its sequel
+                assert SEPARATOR not in cont and list(sa.tokens[end + 1:end + 1 + len(cont)]) == cont   # ...its sequel
 
 
 def test_answers_added_meanwhile_keep_a_cursors_claims_true():

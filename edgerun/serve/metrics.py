@@ -184,14 +184,15 @@ class Metrics:
                 metric("edgerun_gpu_problem", "gauge", "1 when the profile expects a GPU that the target does not "
                        "use (the log and /health say why and what fixes it).", [("", int(gpu["problem"] is not None))])
             if suffix_history is not None:   # --suffix-history: (key label, tokens held, hits, drafted) per key
+                keys = [f'{{key="{_escape(k)}"}}' for k, _, _, _ in suffix_history]
                 metric("edgerun_suffix_history_tokens", "gauge",
                        "Tokens of earlier answers held for suffix drafts, by API key (1, 2, ... in the key file's "
-                       "order; none: a keyless server).", [(f'{{key="{_escape(k)}"}}', n) for k, n, _, _ in suffix_history])
+                       "order; none: a keyless server).", [(k, r[1]) for k, r in zip(keys, suffix_history)])
                 metric("edgerun_suffix_history_hits_total", "counter",
                        "Drafts proposed from earlier answers, by API key.",
-                       [(f'{{key="{_escape(k)}"}}', h) for k, _, h, _ in suffix_history])
+                       [(k, r[2]) for k, r in zip(keys, suffix_history)])
                 metric("edgerun_suffix_history_draft_tokens_total", "counter",
-                       "Tokens in those drafts, by API key.", [(f'{{key="{_escape(k)}"}}', d) for k, _, _, d in suffix_history])
+                       "Tokens in those drafts, by API key.", [(k, r[3]) for k, r in zip(keys, suffix_history)])
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"

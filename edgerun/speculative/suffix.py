@@ -20,6 +20,7 @@ two matches drafts (the request's own on a tie).
 
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 import numpy as np
@@ -38,12 +39,14 @@ class SuffixAutomaton:
     __slots__ = ("next", "link", "length", "end", "last", "tokens", "_match")
 
     def __init__(self) -> None:
+        # per state: its transitions, then three integers in arrays (a sixth of the RAM Python ints in lists
+        # take: speculative/history.py keeps automata of 100k tokens)
         self.next: list[dict[int, int]] = [{}]   # state -> {token: state}
-        self.link = [-1]                         # suffix link
-        self.length = [0]                        # longest string of the state
-        self.end = [-1]                          # index of the last token of an occurrence (a recent one)
+        self.link = array("i", [-1])             # suffix link
+        self.length = array("i", [0])            # longest string of the state
+        self.end = array("i", [-1])              # index of the last token of an occurrence (a recent one)
         self.last = 0                            # the state of the whole text
-        self.tokens: list[int] = []
+        self.tokens = array("i")
         self._match = (0, -1)
 
     def extend(self, tok: int) -> None:
