@@ -28,7 +28,7 @@ from edgerun.config import SamplingArgs
 from edgerun.generate import GenStats, generate
 from edgerun.registry.cache import cache_dir
 from edgerun.speculative.gamma import FixedGamma
-from edgerun.speculative.history import BLOCKS, PROMPT_TAIL, SEPARATOR, SuffixHistory
+from edgerun.speculative.history import BLOCKS, PROMPT_TAIL, SEPARATOR, SuffixHistory, _Frozen, _Growing
 from edgerun.speculative.sampling import as_dist
 from edgerun.speculative.suffix import SuffixDrafter
 from server_harness import ServerProcess, clean_env
@@ -121,14 +121,28 @@ def brute(ctx: list[int], answers: list[list[int]]) -> int:
     return best
 
 
+def test_a_frozen_block_has_the_growing_ones_transitions():
+    rng = np.random.default_rng(1)
+    sa = _Growing()
+    for t in [SEPARATOR, *rng.integers(0, 4, 300), SEPARATOR, *rng.integers(0, 4, 50)]:
+        sa.extend(int(t))
+    frozen = _Frozen(sa)
+    for s in range(len(sa.next)):
+        for t in (SEPARATOR, 0, 1, 2, 3, 4, 70000):
+            assert frozen.go(s, t) == sa.go(s, t)
+    assert len(frozen.keys) == sum(map(len, sa.next))
+
+
+@pytest.mark.parametrize("budget", [10_000, 60], ids=["one-block", "frozen-blocks"])
 @pytest.mark.parametrize("alphabet", [2, 3, 6])
-def test_a_cursor_finds_the_longest_match_inside_one_answer(alphabet):
+def test_a_cursor_finds_the_longest_match_inside_one_answer(alphabet, budget):
     rng = np.random.default_rng(alphabet)
     for _ in range(10):
-        b = SuffixHistory(10_000).bucket("k")
-        answers = [[int(x) for x in rng.integers(0, alphabet, rng.integers(1, 12))] for _ in range(8)]
-        for a in answers:
-            b.add(a)
+        b = SuffixHistory(budget).bucket("k")
+        for _ in range(8):
+            b.add([int(x) for x in rng.integers(0, alphabet, rng.integers(1, 12))])
+        answers = segments(b)
+        assert budget > 100 or (len(b.blocks) > 1 and isinstance(b.blocks[0].sa, _Frozen))
         cur = b.cursor()
         ctx: list[int] = []
         for t in rng.integers(0, alphabet, 40):
@@ -144,20 +158,23 @@ def test_a_cursor_finds_the_longest_match_inside_one_answer(alphabet):
                 assert SEPARATOR not in cont and list(sa.tokens[end + 1:end + 1 + len(cont)]) == cont   # ...its sequel
 
 
-def test_answers_added_meanwhile_keep_a_cursors_claims_true():
+@pytest.mark.parametrize("budget", [100_000, 40], ids=["growing", "frozen-and-dropped"])
+def test_answers_added_meanwhile_keep_a_cursors_claims_true(budget):
     rng = np.random.default_rng(7)
-    b = SuffixHistory(100_000).bucket("k")
+    b = SuffixHistory(budget).bucket("k")
     b.add([int(x) for x in rng.integers(0, 3, 30)])
     cur = b.cursor()
+    seen: list[int] = []
     for _ in range(300):
-        cur.feed([int(rng.integers(0, 3))])
+        seen.append(int(rng.integers(0, 3)))
+        cur.feed(seen[-1:])
         b.add([int(x) for x in rng.integers(0, 3, 5)])               # another request ends (states split)
         k, where = cur.match()
         if k:
             sa = cur.blocks[where].sa
             end = sa.end[cur.state[where]]
             assert k <= sa.length[cur.state[where]]
-            assert SEPARATOR not in sa.tokens[end - k + 1:end + 1]
+            assert list(sa.tokens[end - k + 1:end + 1]) == seen[-k:]    # a real occurrence of the context's end
 
 
 # ---------------------------------------------------------------- the drafter (reference backend)

@@ -9,7 +9,8 @@ spans two answers, and a copied draft stops at the answer's end).
 Bounded: a bucket holds at most `budget` tokens. The answers go into blocks of budget / BLOCKS tokens, one
 automaton each; when the bucket holds more than its budget, its oldest block is dropped whole (an automaton
 cannot forget its first tokens), so between (BLOCKS - 1) / BLOCKS of the budget and all of it is kept once
-full, oldest first out. Nothing is written anywhere: the store lives and dies with the process.
+full, oldest first out. A full block is frozen into a compact table (_Frozen: about a tenth of the RAM of
+the growing form's dict per state). Nothing is written anywhere: the store lives and dies with the process.
 
 A request reads its key's bucket through a `HistoryCursor`: the blocks as they were when the request began
 (a block dropped meanwhile stays readable to it until it ends), each with the state of the longest suffix
@@ -22,6 +23,8 @@ added and while a cursor advances, so a cursor never reads an automaton half-ext
 from __future__ import annotations
 
 import threading
+from array import array
+from bisect import bisect_left
 from collections import deque
 from typing import Hashable, Sequence
 
@@ -33,11 +36,40 @@ PROMPT_TAIL = 32     # prompt tokens kept before each answer: a repeated questio
 BLOCKS = 4           # a full bucket drops a quarter of its budget at a time (its oldest block)
 
 
+class _Growing(SuffixAutomaton):
+    """The newest block's automaton, extended as answers come."""
+
+    __slots__ = ()
+
+    def go(self, s: int, t: int) -> int:
+        """The transition of state s on token t, or -1."""
+        return self.next[s].get(t, -1)
+
+
+class _Frozen:
+    """A full block's automaton, never extended again: its transitions in one sorted table (12 bytes each)
+    instead of a dict per state (~280 bytes a state), searched by bisection."""
+
+    __slots__ = ("keys", "dest", "link", "length", "end", "tokens")
+
+    def __init__(self, sa: SuffixAutomaton) -> None:
+        pairs = sorted(((s << 32) | (t & 0xFFFFFFFF), d) for s, out in enumerate(sa.next) for t, d in out.items())
+        self.keys = array("q", [k for k, _ in pairs])
+        self.dest = array("i", [d for _, d in pairs])
+        self.link, self.length, self.end, self.tokens = sa.link, sa.length, sa.end, sa.tokens
+
+    def go(self, s: int, t: int) -> int:
+        k = (s << 32) | (t & 0xFFFFFFFF)
+        keys = self.keys
+        i = bisect_left(keys, k)
+        return self.dest[i] if i < len(keys) and keys[i] == k else -1
+
+
 class _Block:
     __slots__ = ("sa", "n")
 
     def __init__(self) -> None:
-        self.sa = SuffixAutomaton()
+        self.sa: _Growing | _Frozen = _Growing()
         self.n = 0                      # tokens held (separators not counted)
 
 
@@ -63,9 +95,11 @@ class HistoryBucket:
         if not seg:
             return 0
         seg = seg[:self.budget]
+        full = None
         with self.lock:
             block = self.blocks[-1] if self.blocks else None
             if block is None or (block.n and block.n + len(seg) > self.block_cap):
+                full = block
                 block = _Block()
                 self.blocks.append(block)
             sa = block.sa
@@ -77,7 +111,13 @@ class HistoryBucket:
             self.answers += 1
             while self.tokens > self.budget and len(self.blocks) > 1:
                 self.tokens -= self.blocks.popleft().n
-            return len(seg)
+        if full is not None and isinstance(full.sa, _Growing):
+            # no one extends it again: its compact form is built without the lock (cursors go on reading the
+            # dicts meanwhile) and swapped in, with the same state numbers
+            frozen = _Frozen(full.sa)
+            with self.lock:
+                full.sa = frozen
+        return len(seg)
 
     def cursor(self) -> "HistoryCursor":
         with self.lock:
@@ -106,15 +146,17 @@ class HistoryCursor:
         with self.bucket.lock:
             for i, b in enumerate(self.blocks):
                 sa = b.sa
-                nxt, link, length = sa.next, sa.link, sa.length
+                go, link, length = sa.go, sa.link, sa.length
                 s, k = self.state[i], self.length[i]
                 for t in tokens:
-                    while s and t not in nxt[s]:
+                    d = go(s, t)
+                    # min(): a state split since (a later answer) may hold our string in its clone, whose
+                    # length can then exceed it; in an automaton as it was built, length[link] < k anyway
+                    while d < 0 and s:
                         s = link[s]
-                        k = length[s]
-                    s = nxt[s].get(t, 0)
-                    # a state split since (a later answer) may hold our string in its clone: the length
-                    # stays a lower bound of the true match, never more than the state's own strings
+                        k = min(k, length[s])
+                        d = go(s, t)
+                    s = max(d, 0)
                     k = min(k + 1, length[s]) if s else 0
                 self.state[i], self.length[i] = s, k
 
