@@ -9,13 +9,13 @@ per-token work without history (sync + hint + propose 4, as bench/suffix_cost.py
 CPU time (robust to other processes on the machine).
 
 Benefit (--serve): two real `edgerun serve` processes of SmolLM2-135M at --threads threads, the default
-drafter (suffix lookup, gamma tuned), one with --suffix-history and one without, each with its own copy of
+drafter (suffix lookup; gamma tuned, or --gamma N for both), one with --suffix-history and one without, each with its own copy of
 the probe/tuner cache; a repeated-question workload (each of the questions asked --rounds times, the two
 servers asked in turn, one request at a time). Reported per server: decode tokens/s of the first asks and of
 the repeats (median), accepted drafts per answer, and whether the answers were the same.
 
     nice python bench/suffix_history.py [--held 100000] [--answer 200] [--serve] [--threads 2] [--rounds 3]
-        [--temperature 0] [--out bench/results/suffix_history.json]
+        [--temperature 0] [--gamma auto|N] [--max-tokens 160] [--out bench/results/suffix_history.json]
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _home(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _start(home: Path, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def _start(home: Path, threads: int, extra: list[str]) -> "tuple[subprocess.Popen, str]":
     env = {k: v for k, v in os.environ.items() if not k.startswith("EDGERUN_")}
     env["EDGERUN_HOME"] = str(home)
     env["PYTHONPATH"] = str(ROOT)
@@ -162,7 +162,7 @@ def _start(home: Path, threads: int, extra: list[str]) -> tuple[subprocess.Popen
     return p, url
 
 
-def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens: int) -> dict:
+def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens: int, gamma: str) -> dict:
     import httpx
 
     from edgerun.registry.cache import cache_dir
@@ -171,8 +171,9 @@ def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens
     tmp = Path(tempfile.mkdtemp(prefix="suffix-history-"))
     servers = {}
     try:
-        servers["without"] = _start(_home(src, tmp / "without"), threads, [])
-        servers["with"] = _start(_home(src, tmp / "with"), threads, ["--suffix-history", str(budget)])
+        servers["without"] = _start(_home(src, tmp / "without"), threads, ["--gamma", gamma])
+        servers["with"] = _start(_home(src, tmp / "with"), threads,
+                                 ["--gamma", gamma, "--suffix-history", str(budget)])
         rows: dict[str, list[dict]] = {"without": [], "with": []}
         for r in range(rounds):
             for qi, q in enumerate(QUESTIONS):
@@ -198,7 +199,7 @@ def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens
             p.terminate()
             p.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
-    out = {"threads": threads, "rounds": rounds, "temperature": temperature, "budget": budget,
+    out = {"threads": threads, "rounds": rounds, "temperature": temperature, "budget": budget, "gamma": gamma,
            "max_tokens": max_tokens, "load_avg": os.getloadavg(), "metrics": held, "rows": rows}
     summary = {}
     for name, rs in rows.items():
@@ -228,6 +229,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--budget", type=int, default=100_000)
+    ap.add_argument("--gamma", default="auto", help="both servers' --gamma (auto: the tuner decides)")
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "suffix_history.json"))
     a = ap.parse_args()
@@ -244,9 +246,10 @@ def main() -> None:
               f"({c['add_us_per_token']:.2f}) | {c['cursor_us_per_token']:.1f} ({100 * c['cursor_matched']:.0f}%) | "
               f"{c['drafter_us_per_token_without_history']:.1f} / {c['drafter_us_per_token_with_history']:.1f} |")
     if a.serve:
-        s = result["serve"] = serve(a.threads, a.rounds, a.temperature, a.budget, a.max_tokens)
-        print(f"\n{MODEL}, {a.threads} threads, temperature {a.temperature}, {len(QUESTIONS)} questions x "
-              f"{a.rounds} rounds, load average {s['load_avg'][0]:.1f}; same answers {s['same_answers']}")
+        s = result["serve"] = serve(a.threads, a.rounds, a.temperature, a.budget, a.max_tokens, a.gamma)
+        print(f"\n{MODEL}, {a.threads} threads, gamma {a.gamma}, temperature {a.temperature}, "
+              f"{len(QUESTIONS)} questions x {a.rounds} rounds, load average {s['load_avg'][0]:.1f}; "
+              f"same answers {s['same_answers']}")
         print("| server | tok/s first asks | tok/s repeats | accepted per answer first / repeats | "
               "repeat answer s |")
         print("|---|---|---|---|---|")

@@ -253,7 +253,7 @@ SETTINGS: tuple[Setting, ...] = (
             env_example="1", field="ui", to_config=lambda no: not no),
     Setting("suffix_history", ("--suffix-history",), "EDGERUN_SUFFIX_HISTORY",
             "Tokens of earlier answers kept per API key (0: off) so that suffix drafts may copy from them: a "
-            "repeated question is answered faster. Kept in RAM only (never on disk; ~0.5 GB per million tokens "
+            "repeated question is answered faster. Kept in RAM only (never on disk; ~14 MB per 100,000 tokens "
             "held), oldest dropped first; one key's answers never draft for another key. Drafts are verified, so "
             "answers do not change, but a client timing its answers could learn whether its text matched "
             "earlier answers of its own key: give clients who must not see each other their own keys.",
