@@ -127,12 +127,14 @@ def cost(held: int, answer: int, feed: int) -> dict:
 
 # ---------------------------------------------------------------- benefit: two real servers
 
-def _home(src: Path, dst: Path) -> Path:
-    """An EDGERUN_HOME sharing the models and starting from a copy of the probe and tuner cache."""
+def _home(src: Path, dst: Path, fresh_tuner: bool = False) -> Path:
+    """An EDGERUN_HOME sharing the models and starting from a copy of the probe and tuner cache (without the
+    tuner's files where fresh_tuner: the tuner then starts from its prior, not from what it learned here)."""
     dst.mkdir(parents=True)
     (dst / "models").symlink_to(src / "models")
     if (src / "probes").is_dir():
-        shutil.copytree(src / "probes", dst / "probes")
+        shutil.copytree(src / "probes", dst / "probes",
+                        ignore=shutil.ignore_patterns("tuner-*") if fresh_tuner else None)
     return dst
 
 
@@ -162,7 +164,8 @@ def _start(home: Path, threads: int, extra: list[str]) -> "tuple[subprocess.Pope
     return p, url
 
 
-def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens: int, gamma: str) -> dict:
+def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens: int, gamma: str,
+          fresh_tuner: bool = False) -> dict:
     import httpx
 
     from edgerun.registry.cache import cache_dir
@@ -171,8 +174,8 @@ def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens
     tmp = Path(tempfile.mkdtemp(prefix="suffix-history-"))
     servers = {}
     try:
-        servers["without"] = _start(_home(src, tmp / "without"), threads, ["--gamma", gamma])
-        servers["with"] = _start(_home(src, tmp / "with"), threads,
+        servers["without"] = _start(_home(src, tmp / "without", fresh_tuner), threads, ["--gamma", gamma])
+        servers["with"] = _start(_home(src, tmp / "with", fresh_tuner), threads,
                                  ["--gamma", gamma, "--suffix-history", str(budget)])
         rows: dict[str, list[dict]] = {"without": [], "with": []}
         for r in range(rounds):
@@ -200,6 +203,7 @@ def serve(threads: int, rounds: int, temperature: float, budget: int, max_tokens
             p.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
     out = {"threads": threads, "rounds": rounds, "temperature": temperature, "budget": budget, "gamma": gamma,
+           "fresh_tuner": fresh_tuner,
            "max_tokens": max_tokens, "load_avg": os.getloadavg(), "metrics": held, "rows": rows}
     summary = {}
     for name, rs in rows.items():
@@ -231,6 +235,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=100_000)
     ap.add_argument("--gamma", default="auto", help="both servers' --gamma (auto: the tuner decides)")
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--fresh-tuner", action="store_true", help="the servers start without the tuner's learned state")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "suffix_history.json"))
     a = ap.parse_args()
     from edgerun.util.atomic import write_json
@@ -246,7 +251,8 @@ def main() -> None:
               f"({c['add_us_per_token']:.2f}) | {c['cursor_us_per_token']:.1f} ({100 * c['cursor_matched']:.0f}%) | "
               f"{c['drafter_us_per_token_without_history']:.1f} / {c['drafter_us_per_token_with_history']:.1f} |")
     if a.serve:
-        s = result["serve"] = serve(a.threads, a.rounds, a.temperature, a.budget, a.max_tokens, a.gamma)
+        s = result["serve"] = serve(a.threads, a.rounds, a.temperature, a.budget, a.max_tokens, a.gamma,
+                                    a.fresh_tuner)
         print(f"\n{MODEL}, {a.threads} threads, gamma {a.gamma}, temperature {a.temperature}, "
               f"{len(QUESTIONS)} questions x {a.rounds} rounds, load average {s['load_avg'][0]:.1f}; "
               f"same answers {s['same_answers']}")
