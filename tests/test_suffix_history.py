@@ -12,6 +12,7 @@
   more accepted drafts than its first; key 2's first ask gets exactly what key 1's first got (no draft
   from key 1's history: its hit counter stays 0 in /metrics) and its own repeat gets what key 1's repeat
   got; with the setting off nothing is held and a repeat gets nothing more.
+- The default: `--draft auto` is suffix lookup for a model without a paired drafter (a pair keeps its model).
 """
 
 from __future__ import annotations
@@ -347,3 +348,22 @@ def test_with_the_setting_off_nothing_is_kept(pulled, tmp_path):
         assert _history_metrics(srv) == {}                                   # and no store at all
     finally:
         assert srv.terminate() == 0, srv.output
+
+
+# ---------------------------------------------------------------- the default drafter
+
+def test_draft_auto_is_suffix_lookup_unless_a_model_is_paired(tmp_path):
+    from edgerun.resolve import auto_draft
+
+    assert auto_draft("smollm2-135m-instruct") == "suffix"               # no paired drafter
+    assert auto_draft(str(tmp_path / "some.gguf")) == "suffix"           # a local file
+    assert auto_draft("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"   # a pair keeps its model
+
+
+def test_a_runtime_loaded_with_the_defaults_drafts_with_suffix_lookup(tiny_llama):
+    from edgerun import load
+
+    with load(str(tiny_llama), profile="generic-x86_64-cpu", n_ctx=256, n_threads=1) as rt:
+        assert rt.draft_name == "suffix" and isinstance(rt.drafter, SuffixDrafter)
+    with load(str(tiny_llama), draft="none", profile="generic-x86_64-cpu", n_ctx=256, n_threads=1) as rt:
+        assert rt.drafter is None
