@@ -30,7 +30,7 @@ from edgerun.speculative.suffix import SuffixDrafter  # noqa: E402
 
 
 def stream(n: int) -> list[int]:
-    from edgerun.registry.cache import resolve_model
+    from edgerun.resolve import resolve_model
     from edgerun.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct", pull=True))

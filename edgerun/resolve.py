@@ -247,15 +247,16 @@ def draft_pairs(pick: hub.Pick) -> list[str]:
     return [n for _, _, n in sorted(found)]
 
 
-def auto_draft(model: str) -> str | None:
+def auto_draft(model: str) -> str:
     """`--draft auto`: the registry's paired drafter for a registry model; for a hub model, a model with the
-    same vocabulary (draft_pairs), else the model-free lookup drafter."""
+    same vocabulary (draft_pairs); else (no pair, a local file) the model-free suffix drafter, whose drafts
+    cost nothing to make (the gamma tuner turns it off where verifying them does not pay)."""
     model = os.fspath(model)
     if not hub.is_hub_name(model):
-        return default_draft_for(model)
+        return default_draft_for(model) or "suffix"
     pick = hub.cached(model)
     pairs = draft_pairs(pick) if pick is not None else []
-    return pairs[0] if pairs else "lookup"
+    return pairs[0] if pairs else "suffix"
 
 
 def hub_rows() -> list[dict]:
@@ -266,7 +267,7 @@ def hub_rows() -> list[dict]:
         rows.append({"name": p.name, "kind": f"hub {p.kind}", "arch": p.extra.get("arch", ""),
                      "quant": f"{p.primary if p.kind == 'gguf' else p.kind} @ {p.revision[:12]}", "size": p.size,
                      "cached": True,
-                     "draft": (pairs[0] if pairs else "lookup") if p.kind != "float" else None,
+                     "draft": (pairs[0] if pairs else "suffix") if p.kind != "float" else None,
                      "draft_pairs": pairs, "path": str(p.model_path), "description": f"{p.repo_id} at {p.revision}",
                      "license": "", "revision": p.revision, "requested_revision": p.requested_revision,
                      "pulled_at": p.pulled_at, "files": sorted(p.files)})

@@ -349,7 +349,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
          draft_background: bool = False) -> Runtime:
     """Load a target model (registry name, .gguf path or exported ONNX directory) and its drafter.
 
-    draft: 'auto' (the registry's paired drafter if any, else none), 'none'/None, 'lookup', or a model.
+    draft: 'auto' (the registry's paired drafter if any, else 'suffix'), 'none'/None, 'lookup', 'suffix', or a model.
     profile: 'auto' (detect the device), a profile name, or a YAML path.
     rpc: RPC workers ('HOST:PORT,...' or a list; `edgerun worker` on each board): the target's layers spread
     over them (docs/cluster.md), the drafter stays here. tensor_split: one share per worker device, optionally
@@ -392,7 +392,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
         parallel = 1
     args = replace(args, n_seq=parallel)
     if draft == "auto":
-        draft = auto_draft(str(model))      # a hub model: a drafter of the same vocabulary, else lookup
+        draft = auto_draft(str(model))      # a paired or same-vocabulary model drafter, else suffix lookup
     draft_path = None
     if draft not in (None, "none", "lookup", "suffix"):
         draft_path = Path(resolve_model(str(draft), pull=pull, progress=progress))

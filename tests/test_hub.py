@@ -317,17 +317,17 @@ def test_float_only_repo_is_refused_with_the_quantize_command(standin, runner, t
 
 # ---- --draft auto for a hub model ------------------------------------------------------------------------------
 
-def test_draft_auto_finds_a_same_vocabulary_model_else_lookup(standin, runner):
+def test_draft_auto_finds_a_same_vocabulary_model_else_suffix_lookup(standin, runner):
     from edgerun.resolve import auto_draft
 
     ok(runner, "pull", "hf:tiny/tiny-GGUF:F32")
-    assert auto_draft("hf:tiny/tiny-GGUF:F32") == "lookup"                       # nothing else shares its vocab
+    assert auto_draft("hf:tiny/tiny-GGUF:F32") == "suffix"                       # nothing else shares its vocab
     out = ok(runner, "generate", "The", "--model", "hf:tiny/tiny-GGUF:F32", "--no-pull", "-n", "6", "-t", "0",
              "--threads", "1", "--json")
-    assert json.loads(out.stdout)["n_tokens"] == 6                               # with the lookup drafter
+    assert json.loads(out.stdout)["n_tokens"] == 6                               # with the suffix drafter
     ok(runner, "pull", "hf:tiny/tiny-GGUF:Q8_0")                                # smaller, same vocabulary
     assert auto_draft("hf:tiny/tiny-GGUF:F32") == "hf:tiny/tiny-GGUF:Q8_0"
-    assert auto_draft("hf:tiny/tiny-GGUF:Q8_0") == "lookup"                     # a drafter is smaller
+    assert auto_draft("hf:tiny/tiny-GGUF:Q8_0") == "suffix"                     # a drafter is smaller
     rows = {x["name"]: x for x in json.loads(ok(runner, "list", "--json").stdout)}
     assert rows["hf:tiny/tiny-GGUF:F32"]["draft_pairs"] == ["hf:tiny/tiny-GGUF:Q8_0"]
     out = ok(runner, "generate", "The", "--model", "hf:tiny/tiny-GGUF:F32", "--no-pull", "-n", "6", "-t", "0",

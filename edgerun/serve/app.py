@@ -97,7 +97,8 @@ def create_app(config: ServerConfig, *, load: Callable[[], Any] | None = None,
                                     else (0, 0, 0.0, 0),
                                     prompt_cache=(pc.hits, pc.saved_positions, pc.nbytes, len(pc)) if pc is not None
                                     else (0, 0, 0, 0),
-                                    gpu=_gpu_dict(sch.runtime))
+                                    gpu=_gpu_dict(sch.runtime),
+                                    suffix_history=sch.history.stats() if sch.history is not None else None)
         return Response(text, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")

@@ -53,12 +53,15 @@ class _Gate:
             if scope.get("method") == "OPTIONS":               # a preflight: answered here, before the key
                 await Response(status_code=204)(scope, receive, counting_send)
                 return
-        key = config.api_key
-        if key is not None and path not in self.state.open_paths and not _authorized(scope, key):
-            err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            await JSONResponse(err.body(), status_code=401, headers=err.headers)(scope, receive, counting_send)
-            return
+        keys = config.api_keys()
+        if keys and path not in self.state.open_paths:
+            number = _key_number(scope, keys)
+            if number is None:
+                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await JSONResponse(err.body(), status_code=401, headers=err.headers)(scope, receive, counting_send)
+                return
+            scope["edgerun.key"] = number            # which key (1, 2, ...): the request's history bucket
         await self.app(scope, receive, counting_send)
 
 
@@ -94,9 +97,14 @@ def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
             (b"access-control-max-age", b"600")]
 
 
-def _authorized(scope, key: str) -> bool:
+def _key_number(scope, keys: tuple[str, ...]) -> int | None:
+    """1 + the index of the key the request's bearer token equals, or None (each key compared in full)."""
     header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
     scheme, _, token = header.partition(b" ")
     if scheme.lower() != b"bearer":
         token = b""
-    return hmac.compare_digest(token.strip(), key.encode("utf-8"))
+    found = None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(token.strip(), key.encode("utf-8")) and found is None:
+            found = i + 1
+    return found

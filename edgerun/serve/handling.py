@@ -25,6 +25,7 @@ async def start_job(state, request: Request, job: Job, *, chat: bool) -> tuple[t
     """Queue a job (503 when the queue is full or the model is not ready), watch its client, and wait for its
     first event; a job that ends before any token raises its error. Returns (first event, disconnect watcher);
     the caller hands both to its answer or calls release_job. Shared by the OpenAI and Ollama routes."""
+    job.key = request.scope.get("edgerun.key")     # set by the API-key check (gate.py)
     try:
         state.scheduler.submit(job)
     except ClientBusy as e:

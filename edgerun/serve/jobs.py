@@ -65,6 +65,8 @@ class JobResult:
 class Job:
     """One generation request. Created and awaited on the event loop; run on the worker thread."""
 
+    key: int | None = None      # which API key it came with (1, 2, ...; None: a keyless server): its history
+
     def __init__(self, request: Request, *, timeout_s: float = 300.0, client: Any = None) -> None:
         self.request = request                     # what to generate (checked at the edge: edgerun/request.py)
         self.finished = False                      # set by the event loop once it read the end event

@@ -107,7 +107,8 @@ class Metrics:
 
     def render(self, *, queue_depth: int, queue_limit: int, busy: bool, ready: bool, slots: int = 1,
                running: int | None = None, batch: tuple[int, int, float, int] = (0, 0, 0.0, 0),
-               prompt_cache: tuple[int, int, int, int] = (0, 0, 0, 0), gpu: dict | None = None) -> str:
+               prompt_cache: tuple[int, int, int, int] = (0, 0, 0, 0), gpu: dict | None = None,
+               suffix_history: list[tuple[str, int, int, int]] | None = None) -> str:
         """The exposition text. Live values (queue, readiness) are passed in by the caller."""
         with self._lock:
             out: list[str] = []
@@ -170,18 +171,34 @@ class Metrics:
             metric("edgerun_batch_moves_total", "counter",
                    "Running sequences moved to a lower free id, closing a gap a finished one left.",
                    [("", batch[3])])
-            if gpu is not None:          # where the target's layers run (device/gpu.py), once loaded
-                metric("edgerun_backend_info", "gauge",
-                       "1, labelled with the device the target's layers run on and the GPU backend the device "
-                       "profile expects (none: a CPU profile).",
-                       [(f'{{device="{_escape(gpu["device"])}",expected="{_escape(gpu["expected"] or "none")}"}}',
-                         1)])
-                metric("edgerun_gpu_layers", "gauge", "The target's layers on a GPU (of edgerun_model_layers).",
-                       [("", gpu["gpu_layers"] if gpu["gpu_layers"] is not None else float("nan"))])
-                metric("edgerun_model_layers", "gauge", "The target's layers (blocks + output), as llama.cpp counts.",
-                       [("", gpu["n_layers"] if gpu["n_layers"] is not None else float("nan"))])
-                metric("edgerun_gpu_problem", "gauge", "1 when the profile expects a GPU that the target does not "
-                       "use (the log and /health say why and what fixes it).", [("", int(gpu["problem"] is not None))])
+            _optional_metrics(metric, gpu, suffix_history)
             metric("edgerun_ready", "gauge", "1 once the models are loaded.",
                    [(f'{{model="{_escape(self.model)}"}}', int(ready))])
             return "\n".join(out) + "\n"
+
+
+def _optional_metrics(metric, gpu: dict | None, suffix_history: list | None) -> None:
+    """The metrics that exist only in some services: where the target's layers run (once loaded) and the
+    suffix history (--suffix-history)."""
+    if gpu is not None:          # where the target's layers run (device/gpu.py), once loaded
+        metric("edgerun_backend_info", "gauge",
+               "1, labelled with the device the target's layers run on and the GPU backend the device "
+               "profile expects (none: a CPU profile).",
+               [(f'{{device="{_escape(gpu["device"])}",expected="{_escape(gpu["expected"] or "none")}"}}',
+                 1)])
+        metric("edgerun_gpu_layers", "gauge", "The target's layers on a GPU (of edgerun_model_layers).",
+               [("", gpu["gpu_layers"] if gpu["gpu_layers"] is not None else float("nan"))])
+        metric("edgerun_model_layers", "gauge", "The target's layers (blocks + output), as llama.cpp counts.",
+               [("", gpu["n_layers"] if gpu["n_layers"] is not None else float("nan"))])
+        metric("edgerun_gpu_problem", "gauge", "1 when the profile expects a GPU that the target does not "
+               "use (the log and /health say why and what fixes it).", [("", int(gpu["problem"] is not None))])
+    if suffix_history is not None:   # --suffix-history: (key label, tokens held, hits, drafted) per key
+        keys = [f'{{key="{_escape(k)}"}}' for k, _, _, _ in suffix_history]
+        metric("edgerun_suffix_history_tokens", "gauge",
+               "Tokens of earlier answers held for suffix drafts, by API key (1, 2, ... in the key file's "
+               "order; none: a keyless server).", [(k, r[1]) for k, r in zip(keys, suffix_history)])
+        metric("edgerun_suffix_history_hits_total", "counter",
+               "Drafts proposed from earlier answers, by API key.",
+               [(k, r[2]) for k, r in zip(keys, suffix_history)])
+        metric("edgerun_suffix_history_draft_tokens_total", "counter",
+               "Tokens in those drafts, by API key.", [(k, r[3]) for k, r in zip(keys, suffix_history)])

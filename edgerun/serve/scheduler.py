@@ -41,6 +41,7 @@ class Scheduler:
                  on_load_error: Callable[[BaseException], None] | None = None,
                  on_result: Callable[[JobResult], None] | None = None, prompt_cache: Any = None) -> None:
         self.prompt_cache = prompt_cache            # serve/promptcache.PromptCache, or None
+        self.history: Any = None                    # speculative/history.SuffixHistory (--suffix-history), or None
         if not isinstance(queue_limit, int) or queue_limit < 0:
             raise InvalidArgument(f"queue_limit must be an integer >= 0, got {queue_limit!r}")
         self.queue_limit = queue_limit
@@ -332,6 +333,15 @@ class Scheduler:
         with self._dispatch:
             self.packing.compact(group, idle_now)
 
+    def _history_for(self, runtime: Any, job: Job) -> Any:
+        """The history bucket of the job's API key, handed to the slot's suffix drafter (None: off)."""
+        drafter = runtime.drafter
+        if not hasattr(drafter, "history"):
+            return None
+        drafter.history = None if self.history is None else \
+            self.history.bucket(job.key, "none" if job.key is None else str(job.key))
+        return drafter.history
+
     def _run(self, runtime: Any, job: Job, slot: int = 0, prepared: Any = None) -> JobResult:
         now = time.monotonic()
         res = JobResult(outcome="length", queue_wait_s=now - job.created)
@@ -351,13 +361,17 @@ class Scheduler:
                 res.n_cached = self.prompt_cache.prepare(runtime.target, prompt_tokens)
             room = runtime.n_ctx - len(prompt_tokens)
             res.max_tokens = max(0, room if job.request.max_tokens is None else min(job.request.max_tokens, room))
+            bucket = self._history_for(runtime, job)
             stream = runtime.start(job.request, plan=plan, max_tokens=res.max_tokens, stats=res.stats)
             res.started = True
             stopped = False
+            answer: list[int] = []
 
             def on_step(step) -> bool:
                 # in a batching group this runs on the engine thread, between two evaluations: keep it short
                 nonlocal stopped
+                if bucket is not None:
+                    answer.append(step.token)
                 now = self._step_started[slot] = time.monotonic()
                 if res.ttft_s is None:
                     res.ttft_s = now - job.created
@@ -371,6 +385,8 @@ class Scheduler:
             stream.run(on_step)
             if not stopped:
                 res.outcome = res.stats.finish_reason or "length"
+            if bucket is not None:
+                bucket.add(answer, prompt_tokens)
         except EdgerunError as exc:
             res.outcome, res.error = "error", exc
         except Exception as exc:          # a bug or an engine failure: report it, keep serving

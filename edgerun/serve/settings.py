@@ -57,6 +57,7 @@ class ServerConfig:
     ollama_port: int | None = None       # a second port for Ollama's clients (their default: 11434); None: none
     allow_pull: bool = False             # Ollama's /api/pull may download registry models to the cache
     ui: bool = True                      # the chat and status page at /
+    suffix_history: int = 0              # tokens of earlier answers kept per API key for suffix drafts (0: off)
     load_opts: dict = field(default_factory=dict)   # further edgerun.load() options (tests, API users)
 
     def __post_init__(self) -> None:
@@ -98,9 +99,17 @@ class ServerConfig:
                 raise InvalidArgument(f"--cors-origin {origin!r:.60} is not an origin; expected scheme://host[:port] "
                                       "such as http://192.168.1.20:3000 (or *)")
         cluster_options(self.rpc, self.tensor_split)     # here, so that `edgerun serve` fails before it binds
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not all(isinstance(k, str) and k.strip() for k in self.api_keys()):
             raise InvalidArgument("api_key must not be empty or white space (an empty --api-key= or EDGERUN_API_KEY= "
                                   "would silently mean no authentication; leave it unset to disable authentication)")
+        if not (isinstance(self.suffix_history, int) and self.suffix_history >= 0):
+            raise InvalidArgument(f"suffix history must be an integer >= 0 tokens per API key (0: off), "
+                                  f"got {self.suffix_history!r}")
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys: api_key is one key, or several (an --api-key-file of several lines)."""
+        k = self.api_key
+        return () if k is None else (k,) if isinstance(k, str) else tuple(k)
 
 
 def is_loopback(host: str) -> bool:
@@ -130,7 +139,8 @@ SETTINGS: tuple[Setting, ...] = (
             env_doc=("Target model: a registry name (`edgerun list`), or a .gguf path the service can read",
                      "(ProtectHome=yes hides /home and /root: put local models under /opt or /var/lib).")),
     _shared("draft", env_value="auto",
-            env_doc=("Drafter for speculative decoding: auto (the registry's pair), none, lookup, or a model.",),
+            env_doc=("Drafter for speculative decoding: auto (the registry's pair, else suffix lookup), none,",
+                     "suffix, lookup, or a model."),
             to_config=lambda v: None if v == "none" else v),
     _shared("gamma", env_value="auto",
             env_doc=("Draft length: auto (tuned from this board's measured costs) or an integer (0 = off).",)),
@@ -148,7 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
             "visible to every user in the process list: prefer --api-key-file or the variable.",
             env_example="change-me"),
     Setting("api_key_file", ("--api-key-file",), "EDGERUN_API_KEY_FILE",
-            "Read the API key from this file (its first line), instead of --api-key.",
+            "Read the API key from this file, instead of --api-key; a file of several lines holds several keys "
+            "(one per line), each a client of its own (--suffix-history keeps each key's answers apart).",
             type=click.Path(dir_okay=False), env_example="/etc/edgerun/api-key", field="api_key",
             to_config=lambda path: read_key_file(path) if path else None,
             env_doc=("Or keep the key in a file readable by root only (the unit reads it before dropping rights).",)),
@@ -240,6 +251,15 @@ SETTINGS: tuple[Setting, ...] = (
             is_flag=True, env_example="1"),
     Setting("no_ui", ("--no-ui",), "EDGERUN_NO_UI", "Serve no chat and status page at /.", is_flag=True,
             env_example="1", field="ui", to_config=lambda no: not no),
+    Setting("suffix_history", ("--suffix-history",), "EDGERUN_SUFFIX_HISTORY",
+            "Tokens of earlier answers kept per API key (0: off) so that suffix drafts may copy from them: a "
+            "repeated question is answered faster. Kept in RAM only (never on disk; ~14 MB per 100,000 tokens "
+            "held), oldest dropped first; one key's answers never draft for another key. Drafts are verified, so "
+            "answers do not change, but a client timing its answers could learn whether its text matched "
+            "earlier answers of its own key: give clients who must not see each other their own keys.",
+            type=click.IntRange(0, None), default=0, env_value="0",
+            env_doc=("", "Suffix drafts from earlier answers (docs/free_drafts.md): tokens kept per API key in RAM",
+                     "(0: off). Answers do not change; a key's timing may reveal matches with its own history.")),
 )
 
 
@@ -265,16 +285,17 @@ def config_from_options(options: dict[str, Any], **extra: Any) -> ServerConfig:
     return ServerConfig(**values, **extra)
 
 
-def read_key_file(path: str) -> str:
-    """The API key in `path` (its first line, white space stripped)."""
+def read_key_file(path: str) -> str | tuple[str, ...]:
+    """The API key in `path` (white space stripped), or its keys where it holds several lines (blank lines
+    skipped)."""
     try:
         with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
+            keys = [line.strip() for line in f.read().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidArgument(f"cannot read the API key file {path}: {e}") from None
-    if not key:
+    if not keys:
         raise InvalidArgument(f"the API key file {path} is empty")
-    return key
+    return keys[0] if len(keys) == 1 else tuple(keys)
 
 
 def render_env_file() -> str:

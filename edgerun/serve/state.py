@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import EdgerunError
+from ..speculative.history import SuffixHistory
 from . import promptcache
 from . import systemd as service
 from .metrics import GenerationRecord, Metrics
@@ -33,6 +34,8 @@ class _State:
         self.scheduler = Scheduler(load, queue_limit=config.queue, on_ready=self._on_ready,
                                    on_load_error=self._on_load_error, on_result=self._on_result, prompt_cache=cache)
         self.scheduler.max_per_client = config.max_per_client
+        # earlier answers for suffix drafts, per API key, in RAM only (speculative/history.py); None: off
+        self.scheduler.history = SuffixHistory(config.suffix_history) if config.suffix_history else None
         # grammars are vetted on one thread of their own (constrain/sandbox.py): one child at a time, and
         # one malloc arena instead of one per pool thread
         self.vetting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="edgerun-vet")

@@ -17,6 +17,11 @@ def copy_draft(tokens: Sequence[int], start: int, length: int, gamma: int,
     out = list(tokens[start:start + gamma])
     while len(out) < gamma:
         out.append(out[len(out) - (length - start)])
+    return cut_to_grammar(out, constraint)
+
+
+def cut_to_grammar(out: list[int], constraint: Constraint | None) -> list[int]:
+    """A draft cut at its first token the grammar forbids, the rest consumed into the constraint."""
     if constraint is not None:
         for i, x in enumerate(out):
             if not constraint.continuing_mask()[x]:

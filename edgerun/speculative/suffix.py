@@ -10,19 +10,27 @@ the copy runs into it (periodic text).
 
 The hint class is the match length's (1, 2, 3-4, 5-8, 9-16, 17+), as PromptLookupDrafter's, so the gamma
 tuner learns the acceptance per class and sets the draft length from the match length and the past
-acceptance (spec/gamma.py). Within one request only: the context must grow by appending (one decode
-loop's `committed`), anything else rebuilds the automaton (O(n), once per request).
+acceptance (spec/gamma.py). Within one request: the context must grow by appending (one decode loop's
+`committed`), anything else rebuilds the automaton (O(n), once per request).
+
+Across requests, where a server enables it (`serve --suffix-history`): `history`, a bucket of the service's
+earlier answers for this request's API key (speculative/history.py), is searched too, and the longer of the
+two matches drafts (the request's own on a tie).
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Sequence
 
 import numpy as np
 
 from ..config import SamplingArgs
 from ..constrain.base import Constraint
-from .copying import copy_draft, match_class
+from .copying import copy_draft, cut_to_grammar, match_class
+
+MAX_FEED = 64        # a request's history cursor starts from its context's last this many tokens (a longer
+                     # match drafts the same continuation)
 
 
 class SuffixAutomaton:
@@ -31,12 +39,14 @@ class SuffixAutomaton:
     __slots__ = ("next", "link", "length", "end", "last", "tokens", "_match")
 
     def __init__(self) -> None:
+        # per state: its transitions, then three integers in arrays (a sixth of the RAM Python ints in lists
+        # take: speculative/history.py keeps automata of 100k tokens)
         self.next: list[dict[int, int]] = [{}]   # state -> {token: state}
-        self.link = [-1]                         # suffix link
-        self.length = [0]                        # longest string of the state
-        self.end = [-1]                          # index of the last token of an occurrence (a recent one)
+        self.link = array("i", [-1])             # suffix link
+        self.length = array("i", [0])            # longest string of the state
+        self.end = array("i", [-1])              # index of the last token of an occurrence (a recent one)
         self.last = 0                            # the state of the whole text
-        self.tokens: list[int] = []
+        self.tokens = array("i")
         self._match = (0, -1)
 
     def extend(self, tok: int) -> None:
@@ -90,11 +100,13 @@ class SuffixDrafter:
     n_classes = 6
 
     def __init__(self) -> None:
+        self.history = None            # a HistoryBucket (speculative/history.py) the server sets per request
         self.reset()
 
     def reset(self) -> None:
         self._ctx: Sequence[int] | None = None
         self._sa = SuffixAutomaton()
+        self._cursor = None
 
     def _sync(self, context: Sequence[int]) -> None:
         sa = self._sa
@@ -102,15 +114,30 @@ class SuffixDrafter:
         if not (context is self._ctx and len(context) >= n0 and (n0 == 0 or context[n0 - 1] == sa.tokens[-1])):
             self._ctx, self._sa, n0 = context, SuffixAutomaton(), 0
             sa = self._sa
+            self._cursor = self.history.cursor() if self.history is not None else None
+            if self._cursor is not None:
+                self._cursor.feed([int(t) for t in context[-MAX_FEED:]])
+        elif self._cursor is not None and len(context) > n0:
+            self._cursor.feed([int(t) for t in context[n0:]])
         for t in context[n0:]:
             sa.extend(int(t))
 
     def _match(self, context: Sequence[int]) -> tuple[int, int]:
+        """(length, end) of the request's own match."""
         self._sync(context)
         return self._sa.match()
 
+    def _find(self, context: Sequence[int]) -> tuple[int, int, int]:
+        """(length, end, history block): the longer of the request's own match (block -1) and the history's."""
+        k, end = self._match(context)
+        if self._cursor is not None:
+            kh, where = self._cursor.match()
+            if kh > k:
+                return kh, -1, where
+        return k, end, -1
+
     def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None:
-        k, _ = self._match(context)
+        k, _, _ = self._find(context)
         if k == 0:
             return None
         return match_class(k)
@@ -122,9 +149,17 @@ class SuffixDrafter:
                 rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], None]:
         if gamma <= 0:
             return [], None
-        k, end = self._match(context)
+        k, end, where = self._find(context)
         if k == 0:
             return [], None
+        if where >= 0:
+            out = cut_to_grammar(self._cursor.continuation(where, gamma), constraint)
+            if out:
+                self._cursor.count(len(out))
+                return out, None
+            k, end = self._sa.match()          # the history's match ends its answer: the request's own
+            if k == 0:
+                return [], None
         return copy_draft(self._sa.tokens, end + 1, len(context), gamma, constraint), None
 
     def close(self) -> None:
