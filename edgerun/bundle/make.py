@@ -69,10 +69,12 @@ def resolve_models(spec: BundleSpec) -> tuple[list[str], str | None]:
             raise InvalidArgument(f"--model {name}: a bundle takes registry names (`edgerun list`) or "
                                   "NAME@VARIANT, whose pinned files it can verify")
     draft = spec.draft
-    if draft == "auto":
-        draft = default_draft_for(models[0])
+    if draft == "auto":      # the paired drafter, else suffix lookup (model-free, as `--draft auto` runs it)
+        draft = default_draft_for(models[0]) or "suffix"
     elif draft in ("none", ""):
         draft = None
+    if draft in ("suffix", "lookup"):
+        return models, draft
     if draft is not None:
         split_name(draft)
         if draft not in models:
