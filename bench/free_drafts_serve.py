@@ -1,6 +1,7 @@
 """Drafts that cost nothing, end to end (docs/free_drafts.md): the same requests to `edgerun serve` plain
 (--draft none), `edgerun serve` as a user gets it (no flag), llama.cpp's `llama-server` on the same file, and
-`llama-server` with its n-gram speculation modes, one server at a time, side by side in one run.
+`llama-server` with its n-gram speculation modes, one server at a time, side by side in one run
+(`draft-X`: `edgerun serve --draft X`).
 
 Workloads (3 prompts each): (a) JSON extraction to a nested schema, (b) OpenAI tool calls with tool_choice
 "required", (c) code editing: return a 60-80-line Python file with one name changed, (d) answering from a given
@@ -13,7 +14,7 @@ Ratios are per (workload, prompt, temperature) pair, geometric means with ~95% i
 Servers run one at a time, in reversed order on alternate rounds.
 
     nice python bench/free_drafts_serve.py [--models smollm2,qwen] [--temps 0,0.7] [--rounds 1] [--threads 2]
-        [--workloads a,b,c,d,e,f] [--systems plain,default,llama,ngram-simple,ngram-mod]
+        [--workloads a,b,c,d,e,f] [--systems plain,default,llama,ngram-simple,ngram-mod,draft-suffix]
         [--llama-bin /path/to/llama.cpp/build/bin] [--out bench/results/free_drafts_serve.json]
 """
 
@@ -191,10 +192,11 @@ def ask(url: str, model: str, item: dict, temp: float, seed: int) -> dict:
 
 
 def start(system: str, model: str, path: Path, args) -> Proc:
-    if system in ("plain", "default"):
+    if system in ("plain", "default") or system.startswith("draft-"):
         port = free_port()
+        draft = {"plain": ["--draft", "none"], "default": []}.get(system, ["--draft", system[6:]])
         cmd = edgerun_cmd("serve", "--model", model, "--port", str(port), "--threads", str(args.threads),
-                          "--parallel", "1", "--timeout", "1800", *(["--draft", "none"] if system == "plain" else []))
+                          "--parallel", "1", "--timeout", "1800", *draft)
         p = Proc(f"edgerun {system}", cmd, f"http://127.0.0.1:{port}")
     else:
         extra = ["-fa", "on", "-np", "1", "-c", "4096", "--jinja", "-ngl", "0"]
@@ -273,6 +275,10 @@ def summarise(rows: list[dict], systems: list[str]) -> list[dict]:
                             if ratios:
                                 s[f"default_vs_{'ngram' if base == best else base}_{tag}"] = \
                                     geomean_interval(ratios) if len(ratios) > 1 else (ratios[0],) * 3
+                for x in (x for x in systems if x.startswith("draft-")):     # an explicit --draft vs plain
+                    ratios = _pairs(rows, model, w, temp, x, "plain", "decode_tps")
+                    if ratios:
+                        s[f"{x}_vs_plain_tps"] = geomean_interval(ratios) if len(ratios) > 1 else (ratios[0],) * 3
                 if temp == 0 and {"plain", "default"} <= set(systems):
                     texts = {}
                     for r in sel:
@@ -303,6 +309,7 @@ def main() -> None:
     heads = ["model", "workload", "temp", "plain_tps", "default_tps", "llama_tps", "best_ngram",
              "default_vs_plain_tps", "default_vs_llama_tps", "default_vs_ngram_tps", "default_vs_plain_answer",
              "default_vs_llama_answer", "greedy_same", "default_valid", "llama_valid"]
+    heads += [f"{x}{k}" for x in args.systems.split(",") if x.startswith("draft-") for k in ("_tps", "_vs_plain_tps")]
     for s in data["summary"]:
         best = s.get("best_ngram")
         if best:

@@ -309,3 +309,15 @@ def test_the_cli_prints_one_error_line_and_exits_2(args, words, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_the_bundles_drafter_is_the_pair_else_suffix_lookup():
+    from edgerun.bundle import BundleSpec
+    from edgerun.bundle.make import resolve_models
+
+    spec = lambda **kw: BundleSpec(profile="generic-x86_64-cpu", out=Path("x"), **kw)      # noqa: E731
+    assert resolve_models(spec(models=("smollm2-135m-instruct",))) == (["smollm2-135m-instruct"], "suffix")
+    models, draft = resolve_models(spec(models=("qwen2.5-coder-1.5b-instruct",)))
+    assert draft == "qwen2.5-coder-0.5b-instruct" and models == ["qwen2.5-coder-1.5b-instruct", draft]
+    assert resolve_models(spec(models=("smollm2-135m-instruct",), draft="none"))[1] is None
+    assert resolve_models(spec(models=("smollm2-135m-instruct",), draft="lookup"))[1] == "lookup"

@@ -31,7 +31,7 @@ class BundleSpec:
     profile: str
     out: Path
     models: tuple[str, ...] = ()              # registry names or NAME@VARIANT; () = the default model
-    draft: str = "auto"                       # auto (the registry's pair), none, or a registry name
+    draft: str = "auto"                       # auto (the registry's pair, else suffix), none, suffix, lookup, or a name
     python: str = "3.11"
     glibc: str | None = None                  # newest glibc the wheels may need; None = the profile family's
     llama_wheel: Path | None = None
