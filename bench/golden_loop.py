@@ -27,10 +27,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))    # tinymodel.py: the tiny GGUFs the tests use
-
-from harness import arg_parser, print_table   # noqa: E402  (bench/harness.py)
 
 PROMPTS = ("Hello there, the world", "the net is in the net is in the")
 SCHEMA = {"type": "object", "properties": {
@@ -291,6 +288,11 @@ def dumps_digests(result: dict) -> str:
 
 
 def main() -> None:
+    # bench/ goes on the path only when run as a script: the test imports this module, and bench/onnx.py
+    # would shadow the onnx package for the rest of the test session
+    sys.path.insert(0, str(HERE))
+    from harness import arg_parser, print_table
+
     ap = arg_parser(__doc__, out="golden_loop")
     ap.add_argument("--check", default=None, help="a golden file to compare with (exit 1 on a difference)")
     ap.add_argument("--digests", default=None, help="also write the per-case digests here (the test's fixture)")

@@ -14,14 +14,17 @@ tests/fixtures/loop_golden.json`, run on the trees before and after to diff the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import golden_loop  # noqa: E402
+# loaded from its file: bench/ is not put on sys.path (its onnx.py would shadow the onnx package)
+_spec = importlib.util.spec_from_file_location("bench_golden_loop", ROOT / "bench" / "golden_loop.py")
+golden_loop = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = golden_loop
+_spec.loader.exec_module(golden_loop)
 
 
 def test_the_loop_matches_its_golden_run(tmp_path):

@@ -102,7 +102,11 @@ def test_a_disconnect_mid_batch_frees_its_slot_and_leaves_the_others_untouched(t
             data = leaving.recv(65536)
             assert data, f"the stream ended early: {buf!r}"
             buf += data
+        (gone,) = [j for j in sch.running_jobs if j.request.prompt == "goes away"]
         leaving.close()
+        # the sequence waits for its next permit until the server has seen the disconnect: a loaded machine
+        # cannot let it run to its natural end first (that would be counted 'length', not 'cancelled')
+        wait_until(lambda: gone.stop_reason == "cancelled", what="the disconnect to be seen")
         rt.meter.release(1000)
         wait_until(lambda: len(sch.running_jobs) <= 1, what="the disconnect to free its slot")
         later = httpx.post(srv.url + COMPL, json={**body, "prompt": "comes later"}, timeout=60)   # the freed slot
