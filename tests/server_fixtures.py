@@ -124,3 +124,22 @@ def hold_slots(srv, rt, model: str, n: int, out: dict, max_tokens: int = 6, **bo
                                                         "max_tokens": max_tokens, **body}, out, f"h{i}"))
         assert rt.entered.acquire(timeout=30)                      # running, held at the gate
     return threads
+
+
+def ollama_server(model: str, *args: str) -> ServerProcess:
+    """`edgerun serve --model MODEL ARGS` (the model pulled first) also listening on a free Ollama port;
+    ready, with .ollama_url set. The caller terminates it."""
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+    from edgerun.registry.cache import cache_dir
+
+    r = CliRunner().invoke(main, ["pull", model])
+    assert r.exit_code == 0, r.output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = ServerProcess(["--model", model, "--no-pull", *args, "--ollama-port", port], env=clean_env(cache_dir()))
+    srv.wait_ready(timeout=120)
+    srv.ollama_url = f"http://127.0.0.1:{port}"
+    return srv

@@ -8,16 +8,14 @@ clients (--ollama-port); /api/pull refused unless allowed."""
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import jsonschema
 import ollama
 import pytest
-from click.testing import CliRunner
 
-from edgerun.cli import main
 from edgerun.registry.cache import cache_dir
+from server_fixtures import ollama_server
 from server_harness import ServerProcess, clean_env
 
 pytestmark = pytest.mark.real_model
@@ -35,21 +33,11 @@ WEATHER = {"type": "function", "function": {
 GREEDY = {"temperature": 0, "num_predict": 24}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server():
-    r = CliRunner().invoke(main, ["pull", MODEL])
-    assert r.exit_code == 0, r.output
-    port = _free_port()
-    srv = ServerProcess(["--model", MODEL, "--no-pull", "--draft", "lookup", "--threads", "2", "--ctx", "1024",
-                         "--api-key", KEY, "--max-body", "64", "--ollama-port", port], env=clean_env(cache_dir()))
-    srv.wait_ready(timeout=120)
-    srv.ollama_url = f"http://127.0.0.1:{port}"
+    srv = ollama_server(MODEL, "--draft", "lookup", "--threads", "2", "--ctx", "1024",
+                       "--api-key", KEY, "--max-body", "64")
     yield srv
     assert srv.terminate() == 0, srv.output
 

@@ -4,17 +4,14 @@ requests through the Ollama routes under their own endpoint label, apart from th
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import ollama
 import pytest
 from click.testing import CliRunner
 
 from edgerun.cli import main
-from edgerun.registry.cache import cache_dir
 from edgerun.serve.metrics import Metrics
-from server_harness import ServerProcess, clean_env
+from server_fixtures import ollama_server
 
 MODEL = "smollm2-135m-instruct"
 KEY = "ollama-extra-key"
@@ -25,21 +22,11 @@ PAGE_HEADERS = ("content-type", "content-length", "cache-control", "content-secu
                 "x-content-type-options")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server():
-    r = CliRunner().invoke(main, ["pull", MODEL])
-    assert r.exit_code == 0, r.output
-    port = _free_port()
-    srv = ServerProcess(["--model", MODEL, "--no-pull", "--draft", "none", "--threads", "2", "--ctx", "512",
-                         "--api-key", KEY, "--ollama-port", port], env=clean_env(cache_dir()))
-    srv.wait_ready(timeout=120)
-    srv.ollama_url = f"http://127.0.0.1:{port}"
+    srv = ollama_server(MODEL, "--draft", "none", "--threads", "2", "--ctx", "512",
+                       "--api-key", KEY)
     yield srv
     assert srv.terminate() == 0, srv.output
 
