@@ -287,6 +287,7 @@ class _Loop:
         self.n_prompt = stats.n_prompt_tokens = len(self.committed)
         self.limit = self.n_prompt + max_tokens  # len(committed) once max_tokens are generated
         self.plain_cycle = getattr(policy, "plain_cycle", None)   # optional (GammaPolicy): a cycle known plain
+        self.pick = getattr(policy, "pick", None)               # optional: which of a drafter's offers to take
         self.penalise = penalised(sampling)
         self.greedy = sampling.greedy            # (a property of the frozen SamplingArgs: asked once)
         self.learns = type(policy) is not FixedGamma   # FixedGamma.observe does nothing: not even called
@@ -328,8 +329,10 @@ class _Loop:
         lag = drafter.lag(committed)
         if self.plain_cycle is not None and self.plain_cycle(lag):
             return 0
-        gamma = min(self.policy.choose(drafter.hint(committed, self.last), lag), self.limit - len(committed) - 1,
-                    room)
+        hint = drafter.hint(committed, self.last)
+        if type(hint) is tuple:       # several kinds of draft on offer (speculative/combined.py): the policy picks
+            hint = drafter.use(self.pick(hint) if self.pick is not None else hint[0])
+        gamma = min(self.policy.choose(hint, lag), self.limit - len(committed) - 1, room)
         if gamma > 0 and getattr(drafter, "deferred", False):
             drafter.load()         # a drafter deferred at start-up (speculative/lazy.py): its load is no draft time
         return gamma

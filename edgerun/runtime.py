@@ -25,7 +25,8 @@ from .engine.batch import BatchGroup
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
 from .request import Request, Structure, check_sampling
-from .speculative.drafters import ModelDrafter, make_drafter
+from .speculative.combined import SuffixOrModel, model_part
+from .speculative.drafters import make_drafter
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .speculative.lazy import plan as draft_plan
 from .speculative.tuner_store import TunerStore, regime
@@ -294,7 +295,8 @@ class Runtime:
         (edgerun/engine/batch.py). Each has its own view of the caches, drafter state and gamma policy;
         closing one closes nothing shared (close this Runtime for that)."""
         n = self.parallel
-        draft_be = self.drafter.backend if isinstance(self.drafter, ModelDrafter) else None
+        model = model_part(self.drafter) if self.drafter is not None else None
+        draft_be = model.backend if model is not None else None
         if draft_be is not None and getattr(draft_be, "n_seq", 1) != n:
             raise InvalidArgument(f"the drafter's context holds {getattr(draft_be, 'n_seq', 1)} sequences but the "
                                   f"target's {n}; load both with the same parallel")
@@ -305,7 +307,7 @@ class Runtime:
             if self.drafter is not None:
                 drafter = copy.copy(self.drafter)
                 if draft_be is not None:
-                    drafter.backend = group.view(draft_be, i)
+                    model_part(drafter).backend = group.view(draft_be, i)
                 drafter.reset()
             policy = self.policy.fresh(seed=i) if isinstance(self.policy, GammaTuner) else self.policy
             slot = Runtime(group.view(self.target, i), model_name=self.model_name, drafter=drafter,
@@ -319,8 +321,9 @@ class Runtime:
         """A slot's sequence views (target first, then a model drafter's), as its decode loop joins the
         group with them: BatchGroup.move() takes two slots' lists."""
         views = [self.target]
-        if isinstance(self.drafter, ModelDrafter):
-            views.append(self.drafter.backend)
+        model = model_part(self.drafter) if self.drafter is not None else None
+        if model is not None:
+            views.append(model.backend)
         return views
 
     def reset(self) -> None:
@@ -391,6 +394,7 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
         log.info("the ONNX backend holds one sequence: serving one generation at a time (parallel 1)")
         parallel = 1
     args = replace(args, n_seq=parallel)
+    combined = draft == "auto"              # a model drafter found for auto goes with suffix lookup (combined.py)
     if draft == "auto":
         draft = auto_draft(str(model))      # a paired or same-vocabulary model drafter, else suffix lookup
     draft_path = None
@@ -410,10 +414,14 @@ def load(model: str | Path = DEFAULT_MODEL, draft: str | None = "auto", profile:
     try:
         gpu = gpu_check.check(prof, target, n_gpu_layers=args.n_gpu_layers, require=require_gpu)
         gpu_check.enforce(gpu, require_gpu)
-        lazy = draft_plan(draft_path, target, args, spec, prof, parallel=parallel, background=draft_background)
+        combined = combined and draft_path is not None
+        lazy = draft_plan(draft_path, target, args, spec, prof, parallel=parallel, background=draft_background,
+                          combined=combined)
         drafter = lazy[0] if lazy else make_drafter(
             None if draft is None else (str(draft_path) if draft_path else draft), target, backend_args=args,
             spec_args=spec, pull=pull)
+        if combined:
+            drafter = SuffixOrModel(drafter)
         policy, store = lazy[1:] if lazy else (None, None)
         if lazy is None and drafter is not None and spec.gamma is None:
             policy = GammaTuner.for_runtime(prof, target, drafter, spec)

@@ -471,8 +471,8 @@ class _OldTuner(GammaTuner):
         self._since_explore = np.asarray(state["_since_explore"], dtype=self._since_explore.dtype)
         return ok
 
-    def _could_win(self, alpha=1.0):
-        return super()._could_win(1.0)
+    def _could_win(self, alpha=1.0, c=None):
+        return super()._could_win(1.0, c)
 
     def choose(self, hint=0, lag=0):
         return super().choose(hint, 2 if self._current[min(hint, self.n_classes - 1)] > 0 else lag)

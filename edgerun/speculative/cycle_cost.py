@@ -53,7 +53,9 @@ class CycleCostModel:
                 self._shape[n] += max(self.settings.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
             self._shape_n[n] = cnt + 1
         excess = self._excess(self._lag)
-        if m > 0 and self.cost.t_draft > 0 and excess > 0:
+        if self._free(self._hint):
+            pass                                    # a model-free draft (speculative/combined.py): no model step to learn
+        elif m > 0 and self.cost.t_draft > 0 and excess > 0:
             # the draft steps at their current estimate, the rest is the catch-up's
             r = max(t_draft - m * self.t_draft(), 0.0) / (excess * self.t_draft())
             r = float(np.clip(r, self._sync_ratio / 2, self._sync_ratio * 2))
@@ -90,7 +92,17 @@ class CycleCostModel:
         return self._tv_cache
 
     def t_draft(self) -> float:
+        """Seconds per drafted token of the drafter's model (0 for a model-free drafter)."""
         return self.cost.t_draft * self._td_ratio
+
+    def _free(self, c: int | None) -> bool:
+        """Whether class c's drafts cost nothing to make (the first `free_classes` of a drafter that offers both
+        model-free and model drafts: speculative/combined.py)."""
+        return c is not None and c < self.free_classes
+
+    def draft_cost(self, c: int | None) -> float:
+        """Seconds per drafted token in hint class c."""
+        return 0.0 if self._free(c) else self.t_draft()
 
     def t_sync(self) -> float:
         """Seconds per position of the drafter's catch-up."""
@@ -115,8 +127,8 @@ class CycleCostModel:
         tv = self._tv_table()                               # tv [G + 1]: T_verify(m + 1), m = 0..G
         # asking for g: exactly m < g drafted with P = D[m] - D[m + 1], all g with P = D[g]
         stop_before = np.concatenate([[0.0], np.cumsum((D[:-1] - D[1:]) * tv[:-1])])   # [G + 1], index g
-        cost = (self.t_draft() * np.concatenate([[0.0], np.cumsum(D[1:])])
-                + stop_before + D * tv + (D[0] - D[1]) * self._t_miss)                 # cost [G + 1]
+        cost = (self.draft_cost(hint) * np.concatenate([[0.0], np.cumsum(D[1:])])
+                + stop_before + D * tv + (D[0] - D[1]) * (0.0 if self._free(hint) else self._t_miss))                 # cost [G + 1]
         cost[0] = tv[0]
         tokens = 1.0 + np.concatenate([[0.0], np.cumsum(A)])                         # tokens [G + 1]
         return tokens, cost
@@ -127,12 +139,12 @@ class CycleCostModel:
         tokens, cost = self._cycle(hint, rng, z)
         return tokens / cost
 
-    def _could_win(self, alpha: float = 1.0) -> bool:
+    def _could_win(self, alpha: float = 1.0, c: int | None = None) -> bool:
         """Whether some gamma beats plain decoding by the hysteresis margin at acceptance alpha per
-        position (default: every draft accepted)."""
+        position (default: every draft accepted), with class c's draft cost (None: the model's)."""
         G = self.gamma_max
         tv = self._tv_table()                                           # tv [G + 1]
         g = np.arange(1, G + 1)
         tokens = g + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)   # Leviathan's E[tokens]
-        best = (tokens / (g * self.t_draft() + tv[1:])).max()
+        best = (tokens / (g * self.draft_cost(c) + tv[1:])).max()
         return bool(best > (1.0 + self.settings.hysteresis) / tv[0])

@@ -17,7 +17,9 @@ context (no cycle is spent asking), else a class in 0..n_classes-1 that predicts
 will be accepted (prompt lookup: the length of the verbatim match; a model: how clearly the target's
 last choice stood out, `margin_class`). The gamma tuner keeps one acceptance model per class, so what
 it learned on one text (a code file: confident positions, drafts accepted) carries over to another
-(prose: few confident positions) instead of being averaged into one rate.
+(prose: few confident positions) instead of being averaged into one rate. A drafter with two kinds of draft
+(speculative/combined.py) may offer a tuple of classes; the loop lets the policy pick one (GammaTuner.pick) and
+tells the drafter with `use(class)`.
 """
 
 from __future__ import annotations

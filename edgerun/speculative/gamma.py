@@ -76,6 +76,8 @@ class GammaPolicy(Protocol):
     # optional: plain_cycle(lag) -> bool, asked before the drafter's hint. True: the next cycle runs plain
     # whatever the drafter offers (BatchedGamma: a batch in which no draft can pay), the policy has taken
     # note, and neither the hint nor choose() is needed; observe() follows as usual.
+    # optional: pick(classes) -> int, asked when a drafter offers several hint classes for one cycle (a tuple:
+    # speculative/combined.py); without it the first is taken.
 
 
 class FixedGamma:
@@ -137,14 +139,17 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
     cycle, chosen here (module docstring)."""
 
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, seed: int = 0,
-                 settings: TunerSettings = TunerSettings()) -> None:
+                 settings: TunerSettings = TunerSettings(), free_classes: int = 0) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
             raise InvalidArgument(f"n_classes must be an integer in 1..64, got {n_classes!r}")
+        if not isinstance(free_classes, int) or not 0 <= free_classes <= n_classes:
+            raise InvalidArgument(f"free_classes must be an integer in 0..n_classes, got {free_classes!r}")
         self.cost = cost
         self.gamma_max = gamma_max
         self.n_classes = n_classes
+        self.free_classes = free_classes        # classes < this draft for nothing (no model step, no catch-up)
         self.settings = settings
         self.warmup_gamma = min(settings.warmup_gamma, gamma_max)     # 0: chosen from the curve per cycle
         self._rng = np.random.default_rng(seed)
@@ -178,12 +183,15 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         from ..device.costprobe import cost_curve_for
 
         gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
-        curve = cost_curve_for(target, drafter, profile, measure=measure, n_max=gmax + 1)
-        return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)))
+        # a drafter offering model-free and model drafts (speculative/combined.py) is priced by its model's step
+        curve = cost_curve_for(target, getattr(drafter, "model", drafter), profile, measure=measure, n_max=gmax + 1)
+        return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)),
+                   free_classes=int(getattr(drafter, "free_classes", 0)))
 
     def fresh(self, seed: int = 0) -> "GammaTuner":
         """A tuner with this one's cost curve, gamma_max, classes and settings, and nothing learned."""
-        return GammaTuner(self.cost, self.gamma_max, n_classes=self.n_classes, seed=seed, settings=self.settings)
+        return GammaTuner(self.cost, self.gamma_max, n_classes=self.n_classes, seed=seed, settings=self.settings,
+                          free_classes=self.free_classes)
 
     # -- what was learned, to persist between processes (speculative/tuner_store.py) --------------------
     _ARRAYS = ("_acc", "_seen", "_asked", "_got", "_shape", "_shape_n", "_current", "_n_drafting",
@@ -241,6 +249,8 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
             raise InvalidArgument(f"hint class must be >= 0 or None, got {hint!r}")
         c = min(hint, self.n_classes - 1)      # a tuner with fewer classes pools the upper ones
         self._hint = c
+        if self._free(c):
+            lag = self._lag = 0                  # a model-free draft: nothing to catch up on
         rates = self.rates(c, self._rng if self.settings.thompson else None)
         best = int(np.argmax(rates))
         cur = int(self._current[c])
@@ -256,16 +266,16 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
             # classes): its catch-up is paid only where the win soon repays it; else this cycle runs plain
             g = 0
         self._since_explore[c] += 1
-        can_win = g > 0 or self._could_win()
-        probe_g = 1 if can_win else self._favoured_gamma()
+        can_win = g > 0 or self._could_win(c=c)
+        probe_g = 1 if can_win else self._favoured_gamma(c)
         if (g == 0 and can_win and self._n_drafting[c] < self.settings.warmup_cycles
-                and self._n_drafting.sum() < self.settings.warmup_total and self._could_win(WARMUP_ALPHA)):
+                and self._n_drafting.sum() < self.settings.warmup_total and self._could_win(WARMUP_ALPHA, c)):
             # the first drafting cycles of a class happen whatever the prior says: acceptance is
             # learned from data, not assumed (the tuner lives as long as the Runtime), where a good
             # drafter (acceptance WARMUP_ALPHA) would win; a pair that wins only near perfect acceptance
             # is learned by the budgeted explorations instead of an up-front warm-up
-            g = self.warmup_gamma or self._favoured_gamma()
-        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap(probe_g, lag)):
+            g = self.warmup_gamma or self._favoured_gamma(c)
+        elif g == 0 and self._since_explore[c] >= max(self.settings.explore_every, self._off_gap(probe_g, lag, c)):
             # speculation is off: a one-token draft as often as the exploration budget allows keeps the
             # acceptance estimate current (a drafter that has nothing to offer is asked again next cycle).
             # Where the curve says even perfect acceptance cannot win, the draft is the length the curve
@@ -287,6 +297,18 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         self._last = g
         self._lowered = False
         return g
+
+    def pick(self, classes: tuple[int, ...]) -> int:
+        """Of the hint classes a drafter offers for one cycle (speculative/combined.py: its suffix match's and
+        its model's), the one whose best gamma is predicted the fastest at the posterior mean acceptance, the
+        first on a tie (model-free drafts: no catch-up, nothing to load). A class not seen yet is predicted
+        from the prior, so a model drafter that could pay gets its warm-up."""
+        best, best_rate = classes[0], -1.0
+        for c in classes:
+            r = float(self.rates(min(c, self.n_classes - 1)).max())
+            if r > best_rate * (1.0 + 1e-9):
+                best, best_rate = c, r
+        return best
 
     def pass_cycle(self, lag: int = 0) -> None:
         """The next cycle runs plain for a reason of the caller's, decided without choose() (BatchedGamma: no
@@ -337,20 +359,20 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         if times:
             self._learn_times(m, asked, t_draft, t_verify)
 
-    def _favoured_gamma(self) -> int:
+    def _favoured_gamma(self, c: int | None = None) -> int:
         """The gamma (>= 1) the cost curve favours for a drafter that is good (acceptance WARMUP_ALPHA): the
         warm-up learns acceptance where speculation would be run. Where the curve is not monotone (llama.cpp's
         CPU kernels verify 4 positions for little more than 2) it is not simply a small gamma."""
         g = np.arange(1, self.gamma_max + 1)
         tokens = (1.0 - WARMUP_ALPHA ** (g + 1)) / (1.0 - WARMUP_ALPHA)            # Leviathan's E[tokens]
-        return int(g[np.argmax(tokens / (g * self.t_draft() + self._tv_table()[1:]))])
+        return int(g[np.argmax(tokens / (g * self.draft_cost(c) + self._tv_table()[1:]))])
 
-    def _off_gap(self, g: int = 1, lag: int = 0) -> float:
+    def _off_gap(self, g: int = 1, lag: int = 0, c: int | None = None) -> float:
         """Plain cycles between exploratory g-token drafts so that a losing draft, with the drafter's
         catch-up over `lag` positions, costs at most explore_budget of the decode time:
         (g T_draft + T_verify(g + 1) - T_verify(1) + catch-up) / (budget x T_verify(1))."""
         tv = self._tv_table()
-        loss = max(g * self.t_draft() + tv[g] - tv[0], 0.0) + self._catch_up(lag)
+        loss = max(g * self.draft_cost(c) + tv[g] - tv[0], 0.0) + self._catch_up(lag)
         return loss / (self.settings.explore_budget * tv[0])
 
     def _switch_on_pays(self, c: int, g: int, lag: int) -> bool:
@@ -363,7 +385,7 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         # the confidence asked for scales with what a wrong switch costs: the drafts and the catch-up, in
         # target steps (a model drafter on a CPU: the full bound; prompt lookup, whose drafts are free: none)
         tv1 = self._tv_table()[0]
-        z = self.settings.switch_on_z * min(1.0, (g * self.t_draft() + self._catch_up(lag)) / tv1)
+        z = self.settings.switch_on_z * min(1.0, (g * self.draft_cost(c) + self._catch_up(lag)) / tv1)
         tokens, seconds = self._cycle(c, z=z)                            # [G + 1] each, at the bound
         low = tokens / seconds
         if not low[g] > low[0] * (1.0 + self.settings.hysteresis):
@@ -422,13 +444,16 @@ class BatchedGamma:
         m = max(1, self.n_active())
         if m == 1:
             return False
-        cost = self.step_costs(m, self.tuner.gamma_max)
+        cost = self.step_costs(m, self.tuner.gamma_max, 0 if self.tuner.free_classes else None)   # at the cheapest drafts
         if ((m + np.arange(1, len(cost))) / cost[1:]).max() > m / cost[0]:
             return False
         self._m = m
         self.n_lowered += 1
         self.tuner.pass_cycle(lag)
         return True
+
+    def pick(self, classes: tuple[int, ...]) -> int:
+        return self.tuner.pick(classes)
 
     def choose(self, hint: int | None = 0, lag: int = 0) -> int:
         g = self.tuner.choose(hint, lag)
@@ -439,19 +464,19 @@ class BatchedGamma:
         c = min(hint or 0, t.n_classes - 1)
         A = np.cumprod(t.supply(c) * t.acceptance(c))[:g]                     # A [g]: drafts 1..k all kept
         tokens = (m - 1) + 1.0 + np.concatenate([[0.0], np.cumsum(A)])         # tokens [g + 1], index gamma
-        cost = self.step_costs(m, g)                                            # cost [g + 1]
+        cost = self.step_costs(m, g, c)                                         # cost [g + 1]
         best = int(np.argmax(tokens / cost))
         if best < g:
             self.n_lowered += 1
             self.tuner.lower(best)
         return best
 
-    def step_costs(self, m: int, g: int) -> np.ndarray:
-        """Seconds of a step of m sequences in which this one drafts k = 0..g tokens (index k): its drafts,
-        then T(m) + T(k), two passes."""
+    def step_costs(self, m: int, g: int, c: int | None = None) -> np.ndarray:
+        """Seconds of a step of m sequences in which this one drafts k = 0..g tokens (index k) in hint class c
+        (None: a model's drafts): its drafts, then T(m) + T(k), two passes."""
         t = self.tuner
         k = np.arange(g + 1)
-        return t.t_verify(m) + np.concatenate([[0.0], t._tv_table()[:g]]) + k * t.t_draft()
+        return t.t_verify(m) + np.concatenate([[0.0], t._tv_table()[:g]]) + k * t.draft_cost(c)
 
     def observe(self, gamma: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
         # a batch's time is not this sequence's cost: other sequences' prompts join batches (hundreds of rows),

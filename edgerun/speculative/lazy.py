@@ -37,9 +37,10 @@ import numpy as np
 from ..config import BackendArgs, SamplingArgs, SpeculativeArgs
 from ..constrain.base import Constraint
 from ..errors import EdgerunError
+from .combined import SuffixOrModel
 from .drafters import ModelDrafter, margin_class
 from .gamma import WARMUP_ALPHA, GammaTuner
-from .tuner_store import FORMAT, TunerStore
+from .tuner_store import TunerStore
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,9 @@ class LazyDrafter:
 
 def describe(drafter) -> dict | None:
     """The drafter's state for `generate --json` and /health: None without a model drafter."""
+    if isinstance(drafter, SuffixOrModel):
+        d = describe(drafter.model)
+        return None if d is None else {**d, "with_suffix": True}
     if isinstance(drafter, LazyDrafter):
         return drafter.describe()
     if isinstance(drafter, ModelDrafter):
@@ -192,26 +196,29 @@ def predicted_key(path: Path, args: BackendArgs, target) -> str | None:
 
 
 def will_draft_soon(tuner: GammaTuner) -> bool:
-    """Whether a tuner (restored from its stored state) drafts in its first cycles: speculation on in some
-    class, or a warm-up left where a good drafter could win. Off everywhere, its next draft is an exploration,
-    due explore_every or more cycles in (GammaTuner.choose; a restored tuner starts its count at 0)."""
-    if (tuner._current > 0).any():
+    """Whether a tuner (restored from its stored state) drafts with the model in its first cycles: speculation on
+    in some model class, or a warm-up left where a good drafter could win. Off everywhere, its next model draft is
+    an exploration, due explore_every or more cycles in (GammaTuner.choose; a restored tuner starts its count at
+    0). The classes of free drafts (a SuffixOrModel's suffix classes) need no model: they do not count."""
+    f = tuner.free_classes
+    if (tuner._current[f:] > 0).any():
         return True
     s = tuner.settings
     n = tuner._n_drafting
-    return bool((n < s.warmup_cycles).any() and n.sum() < s.warmup_total and tuner._could_win(WARMUP_ALPHA)
+    return bool((n[f:] < s.warmup_cycles).any() and n.sum() < s.warmup_total and tuner._could_win(WARMUP_ALPHA)
                 and tuner._could_win())
 
 
 def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeArgs, profile, *, parallel: int,
-         background: bool = False):
+         background: bool = False, combined: bool = False):
     """(LazyDrafter, its GammaTuner, its TunerStore) when the drafter can start unloaded, else None (load it now).
-    background: a server: where the state says it drafts, load it on a thread instead of before serving."""
+    background: a server: where the state says it drafts, load it on a thread instead of before serving.
+    combined: the drafter goes inside a SuffixOrModel (speculative/combined.py): the tuner has its classes."""
     if draft_path is None or spec.gamma is not None or parallel != 1 or Path(draft_path).is_dir():
         return None
     from ..device.costprobe import probe_costs, target_key
     from ..device.cost import CostCurve
-    from ..device.measurements import key_of, probes_dir, read_json
+    from ..device.measurements import probes_dir, read_json
 
     try:
         tk, dk = target_key(target), predicted_key(Path(draft_path), args, target)
@@ -221,7 +228,7 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     doc = read_json(probes_dir() / f"draft-{dk}.json") if tk and dk else None
     if not isinstance(doc, dict) or not isinstance(doc.get("t_draft"), (int, float)):
         return None                    # its step time is measured with it loaded: the pair's first run
-    store = TunerStore(key_of("tuner", FORMAT, tk, dk))
+    store = TunerStore.keyed(tk, dk, combined=combined)
     if not any(store.path(r).exists() for r in REGIMES):
         return None                    # nothing learned yet: its first run loads it (and measures nothing twice)
     gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
@@ -230,8 +237,9 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     except (EdgerunError, OSError) as e:
         log.info("drafter loaded now (the target's cost probe failed: %s)", e)
         return None
+    free = SuffixOrModel.free_classes if combined else 0
     tuner = GammaTuner(CostCurve(t_verify=tv, t_draft=float(doc["t_draft"]), source="measured"), gamma_max=gmax,
-                       n_classes=ModelDrafter.n_classes)
+                       n_classes=free + ModelDrafter.n_classes, free_classes=free)
     drafts = {}
     for r in REGIMES:
         t = tuner.fresh()

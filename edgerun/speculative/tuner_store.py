@@ -40,10 +40,16 @@ class TunerStore:
     @classmethod
     def for_pair(cls, target, drafter) -> "TunerStore | None":
         """The store of a loaded pair, or None when the models have no stable identity (then nothing persists)."""
-        tk, dk = target_key(target), drafter_key(drafter, target)
+        tk, dk = target_key(target), drafter_key(getattr(drafter, "model", drafter), target)
         if tk is None or dk is None:
             return None
-        return cls(key_of("tuner", FORMAT, tk, dk))
+        return cls.keyed(tk, dk, combined=bool(getattr(drafter, "free_classes", 0)))
+
+    @classmethod
+    def keyed(cls, tk: str, dk: str, *, combined: bool = False) -> "TunerStore":
+        """combined: the drafter also offers suffix drafts (speculative/combined.py), whose tuner has classes of
+        its own: kept apart from the model drafter's alone."""
+        return cls(key_of("tuner", FORMAT, tk, dk, "suffix") if combined else key_of("tuner", FORMAT, tk, dk))
 
     def path(self, regime_name: str) -> Path:
         return probes_dir() / f"tuner-{self.key}-{regime_name}.json"

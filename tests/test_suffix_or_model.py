@@ -1,0 +1,240 @@
+"""Suffix lookup and a model drafter as one drafter (speculative/combined.py): the tuner picks per cycle.
+
+- The law: with both parts drafting (a policy that picks either offer at random), the joint law of two sampled
+  tokens passes the chi-square test against the exact target law; the same loop appending drafts unverified
+  fails it. Greedy output equals plain greedy whichever part drafts.
+- The choice: on a CPU-like cost curve (4 positions cost ~3 steps, a model step 0.35 of the target's) the tuner
+  keeps the model's classes off and drafts from suffix matches on copied text; on a flat curve (a GPU's) the model
+  drafts where nothing matches. Suffix cycles price no model step and no catch-up.
+- The wiring: `--draft auto` for a target with a paired model gives a SuffixOrModel; an explicit model name gives
+  the model alone; its tuner state is stored apart from the model drafter's alone; slots get their own parts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import edgerun.generate as gen
+from edgerun.backends.reference import ReferenceBackend
+from edgerun.config import SamplingArgs
+from edgerun.device.cost import CostCurve
+from edgerun.generate import GenStats, generate
+from edgerun.speculative.combined import SuffixOrModel, model_part
+from edgerun.speculative.drafters import ModelDrafter
+from edgerun.speculative.gamma import FixedGamma, GammaTuner
+from edgerun.speculative.history import SuffixHistory
+from edgerun.speculative.sampling import probs
+from edgerun.speculative.suffix import SuffixDrafter
+from test_spec_exact import SETTINGS, exact_pairs
+from test_suffix_history import _trusting     # known wrong: every draft appended unverified
+from test_verify import P_FAIL, P_PASS, chisquare_pooled
+
+GREEDY = SamplingArgs(temperature=0.0)
+
+
+class RandomPick(FixedGamma):
+    """A fixed gamma that takes either of a drafter's offers at random, and counts what it took."""
+
+    def __init__(self, gamma: int, seed: int = 0) -> None:
+        super().__init__(gamma)
+        self.rng = np.random.default_rng(seed)
+        self.picked = {"suffix": 0, "model": 0}
+
+    def pick(self, classes):
+        c = classes[int(self.rng.integers(len(classes)))]
+        self.picked["model" if c >= SuffixOrModel.free_classes else "suffix"] += 1
+        return c
+
+
+def _combined(t_model, d_model, tok, prompt, sampling) -> SuffixOrModel:
+    """The noisy drafter model and a suffix part whose history holds answers starting with the target's likelier
+    tokens (so that suffix drafts are offered from the first position on)."""
+    target = ReferenceBackend(t_model, tokenizer=tok)
+    p1 = probs(t_model.forward(prompt, t_model.new_cache())[-1], sampling, prompt)
+    top = [int(t) for t in np.argsort(-p1)[:3]]
+    bucket = SuffixHistory(1000).bucket("k")
+    for i, t in enumerate(top):
+        bucket.add([t, top[(i + 1) % 3], top[(i + 2) % 3]], prompt)
+    suffix = SuffixDrafter()
+    suffix.history = bucket
+    return SuffixOrModel(ModelDrafter(ReferenceBackend(d_model, tokenizer=tok), target), suffix)
+
+
+def _sample_pairs(target, drafter, policy, prompt, sampling, n, seed):
+    rng = np.random.default_rng(seed)
+    V = target.n_vocab
+    cells = np.empty(n, dtype=np.int64)
+    for s in range(n):
+        toks = [st.token for st in generate(target, prompt, sampling, max_tokens=3, drafter=drafter, policy=policy,
+                                            rng=rng, is_eog=lambda t: False)]
+        cells[s] = toks[0] * V + toks[1]
+    return np.bincount(cells, minlength=V * V)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_both_parts_drafting_keep_the_target_law(peaked, setting):
+    t_model, d_model, tok = peaked
+    sampling = SETTINGS[setting]
+    prompt = tok.tokenize("Hello there")
+    target = ReferenceBackend(t_model, tokenizer=tok)
+    drafter = _combined(t_model, d_model, tok, prompt, sampling)
+    policy = RandomPick(2, seed=1)
+    counts = _sample_pairs(target, drafter, policy, prompt, sampling, 1000, seed=5)
+    assert policy.picked["suffix"] > 300 and policy.picked["model"] > 300, policy.picked   # both parts drafted
+    assert drafter.history.hits > 300
+    assert chisquare_pooled(counts, exact_pairs(t_model, prompt, sampling)) > P_PASS
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_drafts_taken_unverified_fail(peaked, setting, monkeypatch):
+    t_model, d_model, tok = peaked
+    sampling = SETTINGS[setting]
+    monkeypatch.setattr(gen, "verify", _trusting)
+    prompt = tok.tokenize("Hello there")
+    target = ReferenceBackend(t_model, tokenizer=tok)
+    drafter = _combined(t_model, d_model, tok, prompt, sampling)
+    counts = _sample_pairs(target, drafter, RandomPick(2, seed=1), prompt, sampling, 1000, seed=5)
+    assert chisquare_pooled(counts, exact_pairs(t_model, prompt, sampling)) < P_FAIL
+
+
+def _run(target, prompt, drafter=None, policy=None, max_tokens=40):
+    stats = GenStats()
+    toks = [s.token for s in generate(target, prompt, GREEDY, max_tokens=max_tokens, drafter=drafter,
+                                      policy=policy if policy is not None else FixedGamma(0),
+                                      rng=np.random.default_rng(0), stats=stats, is_eog=lambda t: False)]
+    return toks, stats
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_factory):
+    target = ReferenceBackend(tiny_model_factory(arch="llama", wtype="f32", seed=0))
+    noisy = ReferenceBackend(tiny_model_factory(arch="llama", wtype="f32", seed=1))
+    return target, noisy
+
+
+COPY = "the cat sat on the mat and the dog sat on the log; the cat sat on the mat and the dog sat on the log; the cat"
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_equals_plain_whichever_part_drafts(pair, gamma):
+    target, noisy = pair
+    for text in (COPY, "Hello there, the world"):
+        prompt = target.tokenizer.tokenize(text)
+        plain, _ = _run(target, prompt)
+        d = SuffixOrModel(ModelDrafter(noisy, target))
+        policy = RandomPick(gamma, seed=gamma)
+        got, st = _run(target, prompt, d, policy)
+        assert got == plain, (text, gamma)
+        assert st.n_drafted > 0
+    assert policy.picked["model"] > 0
+
+
+def _curve(ratios: list[float], t1: float, draft_ratio: float) -> CostCurve:
+    return CostCurve(t_verify=tuple(r * t1 for r in ratios), t_draft=draft_ratio * t1, source="measured")
+
+
+CPU = [1.0, 1.6, 2.2, 3.0, 3.6, 4.2, 4.9, 5.6, 6.3, 7.0]      # verifying n positions on 2 cores (docs/speculative.md)
+FLAT = [1.0, 1.01, 1.02, 1.03, 1.05, 1.07, 1.09, 1.11, 1.13, 1.15]
+
+
+def test_suffix_classes_cost_no_draft_time_and_no_catch_up():
+    t = GammaTuner(_curve(CPU, 0.03, 0.35), gamma_max=8, n_classes=10, free_classes=6)
+    assert t.draft_cost(0) == 0.0 and t.draft_cost(5) == 0.0 and t.draft_cost(6) == pytest.approx(0.35 * 0.03)
+    # at equal (prior) acceptance a suffix draft is predicted faster than a model draft at every gamma, and a
+    # tie at gamma 0 (neither pays yet) goes to the suffix match
+    assert (t.rates(0)[1:] > t.rates(6)[1:]).all() and t.rates(0)[0] == t.rates(6)[0]
+    assert t.pick((0, 6)) == 0
+    # the catch-up of a model that sat out many cycles is not priced into a suffix class
+    t.choose(0, lag=500)
+    assert t._lag == 0
+    t.choose(7, lag=500)
+    assert t._lag == 500
+    # a model-free cycle's near-zero draft time teaches nothing about the model's step
+    t.choose(2, lag=0)
+    before = t.t_draft()
+    for _ in range(20):
+        t.choose(2)
+        t.observe(3, 3, 1e-6, 0.08)
+    assert t.t_draft() == before
+    with pytest.raises(Exception):
+        GammaTuner(_curve(CPU, 0.03, 0.35), gamma_max=8, n_classes=4, free_classes=6)
+
+
+def test_on_a_cpu_curve_copied_text_drafts_from_suffix_and_the_model_stays_off(pair):
+    target, noisy = pair
+    prompt = target.tokenizer.tokenize(COPY * 3)
+    # a model step 0.6 of the target's: on this curve no model draft can pay even if every one is accepted
+    tuner = GammaTuner(_curve(CPU, 0.03, 0.6), gamma_max=8, n_classes=10, free_classes=6)
+    assert not tuner._could_win(1.0, 6) and tuner._could_win(0.8, 0)
+    d = SuffixOrModel(ModelDrafter(noisy, target))
+    picked = {"suffix": 0, "model": 0}
+    real_pick = tuner.pick
+
+    def counting(classes):
+        c = real_pick(classes)
+        picked["model" if c >= 6 else "suffix"] += 1
+        return c
+
+    tuner.pick = counting
+    model_calls = []
+    real_propose = d.model.propose
+    d.model.propose = lambda *a, **kw: model_calls.append(1) or real_propose(*a, **kw)
+    plain, _ = _run(target, prompt, max_tokens=60)
+    got, st = _run(target, prompt, d, tuner, max_tokens=60)
+    assert got == plain
+    assert picked["suffix"] > picked["model"], picked
+    assert st.n_accepted > 0   # suffix drafts were made and kept...
+    assert not model_calls and max(tuner.gammas()[6:]) == 0     # ...and the model, which cannot pay here, never drafted
+
+
+def test_on_a_flat_curve_the_model_drafts_where_nothing_matches():
+    tuner = GammaTuner(_curve(FLAT, 0.03, 0.05), gamma_max=8, n_classes=10, free_classes=6)
+    # at the prior both could pay; a model class that has learned high acceptance beats a short-match class
+    for _ in range(40):
+        tuner.choose(8)
+        tuner.observe(4, 4, 4 * 0.0015, 0.031)
+        tuner.choose(0)
+        tuner.observe(2, 0, 0.0, 0.0303)
+    assert tuner.gammas()[8] > 0
+    assert tuner.pick((0, 8)) == 8
+    # and a long verbatim match whose drafts are all accepted beats it
+    for _ in range(40):
+        tuner.choose(5)
+        tuner.observe(8, 8, 0.0, 0.0339)
+    assert tuner.pick((5, 8)) == 5
+
+
+def test_a_slot_copy_has_its_own_parts(pair):
+    target, noisy = pair
+    d = SuffixOrModel(ModelDrafter(noisy, target))
+    c = copy.copy(d)
+    assert c.suffix is not d.suffix and c.model is not d.model and model_part(c) is c.model
+    assert c.name == d.name and c.n_classes == 10 and c.free_classes == 6
+    assert model_part(SuffixDrafter()) is None
+
+
+def test_draft_auto_with_a_paired_model_is_suffix_or_model(tiny_llama, tmp_path, monkeypatch):
+    """`--draft auto` for a target whose resolution finds a paired model wraps it with suffix lookup; an explicit
+    model name drafts with the model alone; the two tuners' stored states are apart."""
+    from edgerun import load
+    from edgerun.speculative.tuner_store import TunerStore
+
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    import edgerun.resolve as resolve
+
+    monkeypatch.setattr(resolve, "auto_draft", lambda model: str(tiny_llama))     # a pair: the same file
+    with load(tiny_llama, draft="auto", n_ctx=256, n_threads=1) as rt:
+        assert isinstance(rt.drafter, SuffixOrModel)
+        assert rt.policy.free_classes == 6 and rt.policy.n_classes == 10
+        combined_key = rt.tuner_store.key if rt.tuner_store else None
+        out = rt.generate("the cat sat on the mat, the cat sat on the", max_tokens=8)
+        assert isinstance(out.text, str)
+    with load(tiny_llama, draft=str(tiny_llama), n_ctx=256, n_threads=1) as rt:
+        assert isinstance(rt.drafter, ModelDrafter)
+        assert rt.policy.free_classes == 0
+        alone_key = rt.tuner_store.key if rt.tuner_store else None
+    assert combined_key is None or combined_key != alone_key
+    assert TunerStore.keyed("t", "d", combined=True).key != TunerStore.keyed("t", "d").key
