@@ -19,12 +19,16 @@
 #
 # Timing depends on the tensors' shapes and storage types, not on the weights' values: random weights of
 # the right shapes and types give the real pair's step times (bench/gpu_curve.py says how the blocks are
-# filled). Results: $OUT/gpu_curve.json (the device tool brings $OUT back) and bench/results/gpu_curve*.json;
-# bench/predict_gpu.py --curve FILE turns a curve into the tuner's gamma and predicted speed-up.
+# filled). Results in bench/results/ and, copied, in $OUT (what comes back from the lent machine):
+# gpu_curve-gpu.json (edgerun's probes), gpu_curve-gpu-llama-bench-*.json, predict-gpu.json (measure runs
+# bench/predict_gpu.py --curve on the measured curve: the tuner's gamma and predicted speed-up).
 #
-# On the device machine, in two calls (the build's outputs stay on a warm machine between calls):
-#   run(carry=[".gpu-carry"], timeout_s=600, command="bash bench/gpu_curve.sh --out $OUT build")
-#   run(carry=[".gpu-carry"], timeout_s=400, command="bash bench/gpu_curve.sh --out $OUT measure")
+# On the lent GPU machine: a task has 15 minutes of its time, every call and the machine's start (1-2 min)
+# counted together, and a machine stays warm only ~30 s after a call. So one call does both stages:
+#   run(carry=[".gpu-carry"], timeout_s=540, command="bash bench/gpu_curve.sh --out $OUT build measure")
+# and only if it ran out of time, the same call again AT ONCE with the time left (ninja resumes the build and
+# the random models are kept on the still-warm machine; a fresh machine starts bare). $OUT/gpu_build.log shows
+# how far the build got; measure's own lines print as they come (PYTHONUNBUFFERED).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -44,7 +48,7 @@ while [ $# -gt 0 ]; do
         --out) out="${2:?}"; shift ;;
         --arch) arch="${2:?}"; shift ;;
         --jobs) jobs="${2:?}"; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         pack|build|measure|all) stages+=("$1") ;;
         *) echo "gpu_curve.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -76,9 +80,7 @@ if want pack; then
     tar -xzf "$tmp/llama_cpp_python-$llama_version.tar.gz" -C "$tmp"
     src="$tmp/llama_cpp_python-$llama_version"
     v="$src/vendor/llama.cpp"
-    # the test vocabularies (75 MB), docs, web UI assets, benches: not needed to build the libraries and
-    # llama-bench
-    # the sdist's git history (50 MB), the test vocabularies (75 MB), docs, web UI assets, benches, and
+    # not needed to build the libraries and llama-bench: the sdist's git history (50 MB), the test vocabularies (75 MB), docs, web UI assets, benches, and
     # the ggml backends that are not built (each only configured when its GGML_<NAME> option is on)
     rm -rf "$src/.git" "$v/models" "$v/docs" "$v/media" "$v/tools/server/public" "$v/tools/ui" "$v/benches" \
            "$v/examples/model-conversion" "$v/tests"/*.gguf "$src/docs" "$src/examples" "$src/tests" \
@@ -122,7 +124,9 @@ if want build && [ "$cpu" = 0 ]; then
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
         -DLLAMA_BUILD_TOOLS=ON ${extra[@]+"${extra[@]}"} > "$build/configure.log" 2>&1 \
         || { tail -30 "$build/configure.log"; die "configure failed"; }
-    cmake --build "$build/cmake" -j "$jobs" --target llama llama-bench > "$build/build.log" 2>&1 \
+    # the log also goes to $OUT, which comes back even when the call runs out of time
+    cmake --build "$build/cmake" -j "$jobs" --target llama llama-bench 2>&1 \
+        | tee "$build/build.log" > "${out:-$build}/gpu_build.log" \
         || { tail -30 "$build/build.log"; die "build failed"; }
     echo "$(( $(date +%s) - t0 ))" > "$build/build.seconds"
     rm -rf "$site" && mkdir -p "$site/llama_cpp/lib"
@@ -135,6 +139,7 @@ fi
 
 # --- measure ---------------------------------------------------------------------------------------------
 if want measure; then
+    export PYTHONUNBUFFERED=1
     models="$build/models"
     mkdir -p "$models"
     if [ "$cpu" = 1 ]; then

@@ -275,7 +275,10 @@ say "llama-cpp-python $llama_pin with CMAKE_ARGS='$cmake_args'"
 #   11.4; nvcc at /usr/local/cuda/bin/nvcc (the profile's CUDACXX). `sudo apt install nvidia-jetpack` (or
 #   cuda-toolkit-12-6 alone) provides it with cuBLAS. Build with the board's toolkit: the libraries must
 #   run on JetPack's driver. The off-board check used CUDA 13.0 (its nvcc targets sm_87 too); whether
-#   CUDA 13 code runs on a JetPack 6 driver was NOT CHECKED.
+#   CUDA 13 code runs on a JetPack 6 driver was NOT CHECKED (that build links libcudart.so.13 and
+#   libcublas.so.13; JetPack 6 ships .so.12).
+# - reported, not checked: ggml-cuda's 32 GiB VMM address reservation can fail on Orin (out of memory at
+#   cuMemAddressReserve with memory free); add -DGGML_CUDA_NO_VMM=ON to CMAKE_ARGS if a load fails there.
 # - the build runs ON the board (aarch64, JetPack's libcuda/libcublas) or in an aarch64 sysroot of the
 #   same JetPack (as emulate_pi.sh cross-compiles the Pi's CPU build): NOT CHECKED HERE, no JetPack
 #   sysroot was at hand. --llama-wheel takes a wheel built either way.

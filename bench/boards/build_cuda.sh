@@ -173,6 +173,14 @@ def elfs(path):
     r = subprocess.run([cuobjdump, "--list-elf", str(path)], capture_output=True, text=True)
     return sorted(set(re.findall(r"sm_\d+", r.stdout)))
 
+def needed(path):
+    """The shared libraries the file names (readelf -d NEEDED), or None without readelf."""
+    try:
+        r = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True)
+    except FileNotFoundError:
+        return None
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", r.stdout)
+
 kern = work / ("stream_cuda_sm%s" % arch)
 if kern.exists():
     t0, t1 = (float(x) for x in (work / "kernel.time").read_text().split())
@@ -197,6 +205,7 @@ if (work / "llama.start").exists():
         entry = {"bytes": so.stat().st_size}
         if "cuda" in so.name:
             entry["elf"] = elfs(so)
+            entry["needs"] = needed(so)       # libcudart.so.N / libcublas.so.N: the toolkit a board must have
         libs[so.name] = entry
     llama["libraries"] = libs
     # the CUDA objects compiled so far (a half-done build's evidence): how many, and one's ELF targets
@@ -226,7 +235,9 @@ if "llama_cpp_python" in report:
         print("| CUDA objects compiled | %d, ELF of all: %s (largest %s, %.1f MB) |" % (
             o["compiled"], o["elf_of_all"], o["largest"], o["largest_bytes"] / 1e6))
     for name, e in l["libraries"].items():
-        print("| %s | %.1f MB%s |" % (name, e["bytes"] / 1e6, ", ELF %s" % e["elf"] if "elf" in e else ""))
+        print("| %s | %.1f MB%s%s |" % (name, e["bytes"] / 1e6, ", ELF %s" % e["elf"] if "elf" in e else "",
+                                        ", needs %s" % ", ".join(n for n in e["needs"] if "cu" in n)
+                                        if e.get("needs") else ""))
 print("wrote", os.environ["OUT"])
 EOF
 fi

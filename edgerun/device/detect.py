@@ -180,6 +180,12 @@ def _warnings(best: DeviceProfile, f: DeviceFacts) -> list[str]:
         tegra = " (a Tegra board: /etc/nv_tegra_release is there)" if f.tegra_release is not None else ""
         out.append(f"{' and '.join(board_files)} missing{tegra}: the board cannot be identified, so the "
                    f"generic profile {best.name} is used; pass --profile NAME for the board's build flags")
+    if generic and f.machine not in ("aarch64", "arm64") and (f.is_tegra or f.dt_model):
+        # a copy of a board's files read on another machine (--root / EDGERUN_DEVICE_ROOT on an x86 host)
+        board = f.dt_model or "a Tegra board"
+        out.append(f"the identity files read describe {board!r}, but this machine is {f.machine}: the board "
+                   f"profiles match aarch64 only, so the generic profile {best.name} is used; pass --profile NAME "
+                   f"for the board's profile")
     if "/" + MEMINFO in f.missing:
         out.append(f"/{MEMINFO} missing: total memory taken from the machine running edgerun")
     if "dotprod" in best.build.cmake_args and f.cpu_features and "asimddp" not in f.cpu_features:

@@ -11,6 +11,8 @@ at start, `--require-gpu` makes it an error, /health, /metrics and `edgerun prof
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 from dataclasses import dataclass
 
 from ..errors import BackendError, EdgerunError
@@ -57,7 +59,9 @@ class GpuStatus:
 
 def rebuild_command(profile: DeviceProfile, llama_version: str | None = None) -> str:
     """The command that installs llama-cpp-python with the profile's GPU backend (deploy/install.sh runs
-    the same)."""
+    the same) into the Python running edgerun (`python -m pip`, not whichever `pip` is on PATH: a service's
+    venv is not the login shell's), leaving its dependencies as they are (--no-deps: a forced reinstall
+    would otherwise replace numpy too)."""
     if llama_version is None:
         try:
             import llama_cpp
@@ -67,8 +71,8 @@ def rebuild_command(profile: DeviceProfile, llama_version: str | None = None) ->
             llama_version = "0.3.36"
     args = f"{profile.build.cmake_args} -DGGML_RPC=on".strip()
     env = "".join(f"{k}={v} " for k, v in profile.build.env.items())
-    return (f'{env}CMAKE_ARGS="{args}" pip install --force-reinstall --no-cache-dir --no-binary llama-cpp-python '
-            f'llama-cpp-python=={llama_version}')
+    return (f'{env}CMAKE_ARGS="{args}" {shlex.quote(sys.executable)} -m pip install --force-reinstall --no-deps '
+            f'--no-cache-dir --no-binary llama-cpp-python llama-cpp-python=={llama_version}')
 
 
 def expected_compute(profile: DeviceProfile, n_gpu_layers: int | None = None) -> str | None:
