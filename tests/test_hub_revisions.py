@@ -196,3 +196,20 @@ def test_nothing_lands_in_huggingface_hubs_cache(standin, runner):
     hf_home = Path(os.environ["HF_HOME"])
     files = [p for p in hf_home.rglob("*") if p.is_file()] if hf_home.exists() else []
     assert files == []
+
+
+def test_a_re_pull_that_only_links_needs_no_free_space(standin, runner, tmp_path, monkeypatch):
+    ok(runner, "pull", "hf:tiny/tiny-GGUF")
+    _new_commit(standin, "tiny/tiny-GGUF", tmp_path, lambda d: (d / "README.md").write_text("v2\n"))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))   # a full board
+    ok(runner, "pull", "hf:tiny/tiny-GGUF")                                     # the weights are linked
+    refused(runner, "pull", "hf:tiny/tiny-GGUF:F32", says=("not enough free disk space", "(1 file)"))
+
+
+def test_a_model_llama_cpp_cannot_run_is_not_left_looking_pulled(standin, runner):
+    refused(runner, "pull", "hf:tiny/alien-GGUF", says=("llama.cpp cannot load", "architecture 'zzzzz'",
+                                                         "the downloaded files were removed"))
+    assert hub.cached("hf:tiny/alien-GGUF") is None
+    assert "hf:tiny/alien-GGUF" not in {x["name"] for x in json.loads(ok(runner, "list", "--json").stdout)}
+    assert not list((home() / "hub/tiny/alien-GGUF").rglob("*.gguf"))          # no unusable weights kept

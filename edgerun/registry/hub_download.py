@@ -93,7 +93,7 @@ def _hub_errors(name: HubName) -> Iterator[None]:
     try:
         yield
     except e_.GatedRepoError as e:
-        msg = (getattr(e, "server_message", "") or "").strip().replace("\n", " ")
+        msg = (getattr(e, "server_message", "") or "").strip().replace("\n", " ").rstrip(".")
         raise HubError(f"{name}: {name.repo_id} is a gated repository and this request was not let in"
                        f"{': ' + msg if msg else ''}; accept its terms on its page at {endpoint()}/{name.repo_id} "
                        f"and {LOGIN_HINT}") from None
@@ -332,8 +332,8 @@ def _check_space(plan: Plan) -> None:
     """Free disk space for the files still to fetch (sizes from the API), and for a checkpoint's conversion."""
     root = repo_dir(plan.name.repo_id)
     known = _known(root / plan.commit)
-    todo = [f for f in plan.files if f.path not in known]
-    need = sum(f.size or 0 for f in todo)
+    todo = [f for f in plan.files if f.path not in known and _same_file_elsewhere(root, plan.commit, f) is None]
+    need = sum(f.size or 0 for f in todo)     # files an earlier commit holds unchanged are linked: no room needed
     if plan.kind == "int4":                # the converted GGUF is about as large as the INT4 weights
         need += sum(f.size or 0 for f in plan.files if f.path.endswith(".safetensors"))
     probe = root
