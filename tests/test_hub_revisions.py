@@ -213,3 +213,18 @@ def test_a_model_llama_cpp_cannot_run_is_not_left_looking_pulled(standin, runner
     assert hub.cached("hf:tiny/alien-GGUF") is None
     assert "hf:tiny/alien-GGUF" not in {x["name"] for x in json.loads(ok(runner, "list", "--json").stdout)}
     assert not list((home() / "hub/tiny/alien-GGUF").rglob("*.gguf"))          # no unusable weights kept
+
+
+@pytest.mark.parametrize("fixture", ["gptq-llama", "ct-asym-qwen2"])
+def test_gptq_and_compressed_tensors_checkpoints_generate_as_their_folders_do(standin, runner, fixture, tmp_path):
+    """The AWQ one is test_hub.py's; these two take the same way in, and answer as `--model DIR` does."""
+    folder = tmp_path / fixture
+    shutil.copytree(Path(__file__).parent / "fixtures" / "int4" / fixture, folder,
+                    ignore=shutil.ignore_patterns("dequant.npz"))
+    standin.add(f"tiny/{fixture}", folder)
+    ok(runner, "pull", f"hf:tiny/{fixture}")
+    args = ["-n", "8", "-t", "0", "--threads", "1", "--draft", "none", "--json"]
+    hub_out = json.loads(ok(runner, "generate", "The", "--model", f"hf:tiny/{fixture}", "--no-pull", *args).stdout)
+    dir_out = json.loads(ok(runner, "generate", "The", "--model", str(folder), *args).stdout)
+    assert hub_out["n_tokens"] == 8 and hub_out["text"] == dir_out["text"]
+    assert {p.rsplit("/", 1)[-1] for p, _ in standin.downloads()} >= {"config.json", "model.safetensors"}
