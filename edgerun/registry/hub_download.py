@@ -250,8 +250,9 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
         headers = build_hf_headers(token=_token(), library_name="edgerun", library_version=__version__)
         with _hub_errors(name), _drop_if_empty(part), open(part, "ab") as out:
             try:
-                bar = {"tqdm_class": _bar(progress, f.path)} \
-                    if "tqdm_class" in inspect.signature(http_get).parameters else {}     # older clients: their own
+                accepts = inspect.signature(http_get).parameters     # 1.x: a bar class; 0.x: a bar (private)
+                bar = {"tqdm_class": _bar(progress, f.path)} if "tqdm_class" in accepts else \
+                    {"_tqdm_bar": _bar(progress, f.path)(total=f.size, initial=have)} if "_tqdm_bar" in accepts else {}
                 http_get(url, out, resume_size=have, headers=headers, expected_size=f.size,
                          displayed_filename=f.path, **bar)
             except OSError as e:        # a size mismatch or a write error: the part is kept for the next try
