@@ -228,3 +228,15 @@ def test_gptq_and_compressed_tensors_checkpoints_generate_as_their_folders_do(st
     dir_out = json.loads(ok(runner, "generate", "The", "--model", str(folder), *args).stdout)
     assert hub_out["n_tokens"] == 8 and hub_out["text"] == dir_out["text"]
     assert {p.rsplit("/", 1)[-1] for p, _ in standin.downloads()} >= {"config.json", "model.safetensors"}
+
+
+def test_without_the_client_a_pull_says_to_install_it_and_cached_models_still_run(standin, runner, monkeypatch):
+    ok(runner, "pull", "hf:tiny/tiny-GGUF")
+    for mod in [m for m in sys.modules if m == "huggingface_hub" or m.startswith("huggingface_hub.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)                  # `import huggingface_hub` fails
+    refused(runner, "pull", "hf:tiny/tiny-GGUF:F32", says=("pip install 'edgerun[hub]'",))
+    out = ok(runner, "generate", "The", "--model", "hf:tiny/tiny-GGUF", "--no-pull", "--draft", "none",
+             "-n", "3", "-t", "0", "--threads", "1", "--json")                 # a board given the cache by hand
+    assert json.loads(out.stdout)["n_tokens"] == 3
+    assert "hf:tiny/tiny-GGUF" in ok(runner, "list").stdout
