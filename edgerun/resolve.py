@@ -182,7 +182,11 @@ def pull_hub(name: str | hub.HubName, progress: Progress | None = None, *, verif
         _check_checkpoint_arch(name, plan.config)
     pick = hub_download.download(plan, progress=progress, force=force)
     if pick.kind != "float":
-        ready_path(pick)
+        try:
+            ready_path(pick)
+        except ModelFormatError as e:     # llama.cpp cannot run it: nothing unusable is left looking pulled
+            hub.forget(pick, list(pick.files))
+            raise ModelFormatError(f"{e}; the downloaded files were removed") from None
     return hub.cached(name) or pick
 
 

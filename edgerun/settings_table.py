@@ -63,9 +63,11 @@ def click_option(s: Setting, *, envvar: bool = True) -> Callable:
 # --gpu-layers: the device profile places the layers there).
 MODEL_SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("model", ("--model", "-m"), "EDGERUN_MODEL",
-            "Registry name (see `edgerun list`), .gguf path, or exported ONNX directory.", default=DEFAULT_MODEL),
+            "Registry name (see `edgerun list`), hub name hf:ORG/REPO[@REV][:QUANT|/FILE.gguf] (docs/models.md), "
+            ".gguf path, INT4 checkpoint or exported ONNX directory.", default=DEFAULT_MODEL),
     Setting("draft", ("--draft",), "EDGERUN_DRAFT",
-            "Drafter: 'auto' (the registry's pair, else 'suffix'), 'none', 'suffix', 'lookup', or a model.",
+            "Drafter: 'auto' (the registry's pair or, for a hub model, one of its vocabulary; else 'suffix'), "
+            "'none', 'suffix', 'lookup', or a model.",
             default="auto"),
     Setting("gamma", ("--gamma",), "EDGERUN_GAMMA",
             "Draft length per cycle: an integer (0 = plain decoding) or 'auto' (tuned).", default="auto"),

@@ -201,9 +201,9 @@ def make_handler(hub: StandIn):
 class Server:
     """The stand-in on 127.0.0.1, a random port, in a thread: `with Server(hub) as url:`."""
 
-    def __init__(self, hub: StandIn):
+    def __init__(self, hub: StandIn, port: int = 0):
         self.hub = hub
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(hub))
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), make_handler(hub))
         self.httpd.daemon_threads = True
         hub.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -216,3 +216,39 @@ class Server:
         self.hub.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """By hand: `python tests/hubstandin.py [--port N] [--token T] ORG/REPO=FOLDER ...` serves those folders
+    until interrupted; point HF_ENDPOINT at the URL it prints. A repo given as ORG/REPO=FOLDER:gated is gated
+    and served only with --token."""
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser(description="a local stand-in for the Hugging Face hub (tests only)")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--token", default="hf_standin_token")
+    ap.add_argument("repos", nargs="+", metavar="ORG/REPO=FOLDER[:gated]")
+    args = ap.parse_args(argv)
+    hub = StandIn()
+    for spec in args.repos:
+        repo_id, _, folder = spec.partition("=")
+        gated = folder.endswith(":gated")
+        folder = folder[:-len(":gated")] if gated else folder
+        if repo_id.count("/") != 1 or not Path(folder).is_dir():
+            ap.error(f"{spec}: expected ORG/REPO=FOLDER with an existing folder")
+        hub.add(repo_id, Path(folder), gated_token=args.token if gated else None)
+    with Server(hub, args.port) as url:
+        print(f"hub stand-in at {url}: HF_ENDPOINT={url}", flush=True)
+        for repo_id, repo in hub.repos.items():
+            print(f"  {repo_id} (commit {repo.commit[:12]}{', gated' if repo.gated_token else ''})", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *a: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

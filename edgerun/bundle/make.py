@@ -64,6 +64,12 @@ def env_file_text(template: str, model: str, draft: str | None, profile: str) ->
 
 def resolve_models(spec: BundleSpec) -> tuple[list[str], str | None]:
     models = list(dict.fromkeys(spec.models or (DEFAULT_MODEL,)))
+    for name in [*models, spec.draft or ""]:
+        if name.startswith("hf:"):          # the hub cache is not laid out by install.sh (docs/models.md)
+            raise InvalidArgument(f"{name}: a bundle does not carry hub models yet, only registry names and "
+                                  "NAME@VARIANT; on a connected machine `edgerun pull` it, copy $EDGERUN_HOME/hub/"
+                                  "ORG/REPO into the board's cache (the service's: /var/cache/edgerun/hub/ORG/REPO) "
+                                  f"and set EDGERUN_MODEL={name} and EDGERUN_NO_PULL=1")
     for name in models:
         if os.sep in name or name.endswith((".gguf", ".onnx")):
             raise InvalidArgument(f"--model {name}: a bundle takes registry names (`edgerun list`) or "

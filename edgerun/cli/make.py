@@ -32,7 +32,8 @@ from ..util.atomic import stop_on_signal
 @click.option("--no-pull", is_flag=True, help="Fail instead of downloading a registry model that is not cached.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def quantize(source, out, method, fmt, calib, calib_tokens, embed_type, grid, no_pull, as_json):
-    """Quantize SOURCE (registry name, .gguf, or Hugging Face checkpoint dir) to an INT4 GGUF at OUT."""
+    """Quantize SOURCE (registry name, .gguf, Hugging Face checkpoint dir, or hub name hf:ORG/REPO of a float
+    checkpoint, downloaded first) to an INT4 GGUF at OUT."""
     stop_on_signal()
     args = QuantArgs(method=method, format=fmt, calib=calib, calib_tokens=calib_tokens, embed_type=embed_type,
                      grid=grid)

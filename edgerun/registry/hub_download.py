@@ -93,7 +93,7 @@ def _hub_errors(name: HubName) -> Iterator[None]:
     try:
         yield
     except e_.GatedRepoError as e:
-        msg = (getattr(e, "server_message", "") or "").strip().replace("\n", " ")
+        msg = (getattr(e, "server_message", "") or "").strip().replace("\n", " ").rstrip(".")
         raise HubError(f"{name}: {name.repo_id} is a gated repository and this request was not let in"
                        f"{': ' + msg if msg else ''}; accept its terms on its page at {endpoint()}/{name.repo_id} "
                        f"and {LOGIN_HINT}") from None
@@ -207,10 +207,12 @@ def _known(directory: Path) -> dict:
     return read_json(directory / ".files.json") or {}
 
 
-def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *, force: bool = False) -> Path:
+def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *, force: bool = False,
+           link: bool = True) -> Path:
     """One file into COMMIT/PATH: streamed by huggingface_hub's http_get into .staging/PATH.HASH.part (a part
     left by a killed pull is resumed with a Range request), hashed, compared with the hub's hash, then renamed
-    into place. Returns the commit directory.
+    into place. Returns the commit directory. A file that another commit of the repo already holds verified
+    (same hub hash and size) is hard-linked into the staging name instead and hashed the same way.
 
     Not hf_hub_download: since huggingface_hub 1.x it writes each download to a process-unique temporary that
     a later run never reuses (a killed pull starts over), and it checks no hash."""
@@ -232,15 +234,25 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
     if force or (f.size is not None and have > f.size):
         part.unlink(missing_ok=True)
         have = 0
-    if f.size is None or have < f.size:
+    same = _same_file_elsewhere(root, commit, f) if link and not force else None
+    if same is not None:          # unchanged since a commit pulled before: linked (one copy on disk), then hashed
+        part.unlink(missing_ok=True)
+        try:
+            os.link(same, part)
+        except OSError:
+            shutil.copyfile(same, part)
+        log.info("%s: %s is unchanged since commit %s; linked, not downloaded", name, f.path, same.parts[-1 - len(
+            Path(f.path).parts)][:12])
+    elif f.size is None or have < f.size:
         if have:
             log.info("%s: resuming %s at byte %d of %s", name, f.path, have, f.size)
         url = hh.hf_hub_url(name.repo_id, f.path, revision=commit, endpoint=endpoint())
         headers = build_hf_headers(token=_token(), library_name="edgerun", library_version=__version__)
         with _hub_errors(name), _drop_if_empty(part), open(part, "ab") as out:
             try:
-                bar = {"tqdm_class": _bar(progress, f.path)} \
-                    if "tqdm_class" in inspect.signature(http_get).parameters else {}     # older clients: their own
+                accepts = inspect.signature(http_get).parameters     # 1.x: a bar class; 0.x: a bar (private)
+                bar = {"tqdm_class": _bar(progress, f.path)} if "tqdm_class" in accepts else \
+                    {"_tqdm_bar": _bar(progress, f.path)(total=f.size, initial=have)} if "_tqdm_bar" in accepts else {}
                 http_get(url, out, resume_size=have, headers=headers, expected_size=f.size,
                          displayed_filename=f.path, **bar)
             except OSError as e:        # a size mismatch or a write error: the part is kept for the next try
@@ -255,6 +267,9 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
     size = part.stat().st_size
     if (want is not None and got != want) or (f.size is not None and size != f.size):
         part.unlink(missing_ok=True)
+        if same is not None:     # the copy of the earlier commit changed on disk since: download it after all
+            log.warning("%s: %s of an earlier commit no longer matches its hash; downloading it", name, f.path)
+            return _fetch(name, commit, f, progress, link=False)
         raise ChecksumError(f"{name}: {f.path} as downloaded ({size} bytes, {kind} {got}) does not match the hub's "
                             f"({f.size} bytes, {kind} {want}); it was deleted. Pull again; if it fails again, a "
                             "proxy, a mirror or the disk is corrupting data")
@@ -272,6 +287,37 @@ def _fetch(name: HubName, commit: str, f: HubFile, progress: Progress | None, *,
     return final_dir
 
 
+def _same_file_elsewhere(root: Path, commit: str, f: HubFile) -> Path | None:
+    """A file verified under another commit of this repo with the hash and size the hub gives for `f` now (a
+    new commit that changed only a README leaves the weights as they were): linked instead of downloaded."""
+    if f.size is None or not (f.sha256 or f.blob_id):
+        return None
+    want = f"sha256:{f.sha256}" if f.sha256 else f"git blob id:{f.blob_id}"
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if d.name == commit or d.name.startswith(".") or d.name == "picks" or not d.is_dir():
+            continue
+        for path, rec in _known(d).items():
+            if rec.get("hub_hash") == want and rec.get("size") == f.size:
+                p = d / path
+                if p.is_file() and p.stat().st_size == f.size:
+                    return p
+    return None
+
+
+def _drop_unused_commits(root: Path) -> None:
+    """Remove the commit directories of a repo that no pick names any more (a name pulled again moved on):
+    files still in use were linked into the new commit, so only changed or dropped files go."""
+    used = {d.get("revision") for f in (root / "picks").glob("*.json") if (d := read_json(f)) is not None}
+    unreadable = [f for f in (root / "picks").glob("*.json") if read_json(f) is None]
+    if unreadable:               # a record being written or damaged: keep everything
+        return
+    for d in root.iterdir():
+        if d.is_dir() and not d.name.startswith(".") and d.name != "picks" and d.name not in used:
+            log.info("%s: removing commit %s, which no pulled name uses any more", root.relative_to(root.parents[1]),
+                     d.name[:12])
+            shutil.rmtree(d, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def _drop_if_empty(part: Path) -> Iterator[None]:
     """A download that failed before its first byte leaves no empty part behind."""
@@ -287,8 +333,8 @@ def _check_space(plan: Plan) -> None:
     """Free disk space for the files still to fetch (sizes from the API), and for a checkpoint's conversion."""
     root = repo_dir(plan.name.repo_id)
     known = _known(root / plan.commit)
-    todo = [f for f in plan.files if f.path not in known]
-    need = sum(f.size or 0 for f in todo)
+    todo = [f for f in plan.files if f.path not in known and _same_file_elsewhere(root, plan.commit, f) is None]
+    need = sum(f.size or 0 for f in todo)     # files an earlier commit holds unchanged are linked: no room needed
     if plan.kind == "int4":                # the converted GGUF is about as large as the INT4 weights
         need += sum(f.size or 0 for f in plan.files if f.path.endswith(".safetensors"))
     probe = root
@@ -318,6 +364,7 @@ def download(plan: Plan, *, progress: Progress | None = None, force: bool = Fals
                   "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "extra": old.extra if old is not None and old.revision == plan.commit else {}}
         write_json(pick_path(plan.name), record)
+        _drop_unused_commits(root)
         log.info("pulled %s (%s, %d files) in %.1f s", plan.name, plan.commit[:12], len(plan.files),
                  time.perf_counter() - t0)
     pick = load_pick(pick_path(plan.name))
