@@ -153,43 +153,67 @@ def drafter_key(drafter, target) -> str | None:
                                            target.n_vocab)
 
 
+def _cached(doc, ok) -> bool:
+    """Whether a cached probe result serves: it fits (ok), and it was measured on a quiet machine, or it is
+    provisional (measured on a busy one) and the machine is busy now too, so a new measurement would be no better."""
+    return bool(doc) and ok(doc) and (not doc.get("provisional") or _busy())
+
+
+def _keep(path, doc: dict, contended: bool, old, merge: str) -> dict:
+    """Cache a probe result. Measured on a contended machine it is kept as provisional: used while the machine
+    stays busy (every start of a service on a loaded board would otherwise pay the probe again, and a drafter
+    whose tuner state says it will not draft would still be loaded: speculative/lazy.py needs its step time),
+    and measured again at the first start on a quiet machine. Noise only adds time: a provisional figure is the
+    least of the provisional measurements so far."""
+    if contended:
+        prev = old.get(merge) if isinstance(old, dict) and old.get("provisional") else None
+        if isinstance(prev, list) and len(prev) >= len(doc[merge]):
+            doc[merge] = [min(float(a), float(b)) for a, b in zip(doc[merge], prev)]
+        elif isinstance(prev, (int, float)):
+            doc[merge] = min(float(doc[merge]), float(prev))
+        doc["provisional"] = True
+    atomic_write_json(path, doc)
+    return doc
+
+
 def probe_costs(target, drafter=None, *, use_cache: bool = True, n_max: int = N_MAX, reps: int = 3) -> CostCurve:
     """Measured cost curve for the loaded target (+ drafter), from the cache when it has it
     (a cached curve longer than n_max serves too)."""
     tkey = target_key(target)
     tpath = probes_dir() / f"verify-{tkey}.json" if tkey else None
     doc = read_json(tpath) if (use_cache and tpath) else None
-    if doc and len(doc.get("t_verify", [])) >= n_max:
+    if _cached(doc, lambda d: len(d.get("t_verify", [])) >= n_max):
         tv = [float(x) for x in doc["t_verify"][:n_max]]
     else:
         log.info("measuring the target's verify cost curve (n = 1..%d); cached for next time", n_max)
         times = measure_verify_times(target, n_max=n_max, reps=reps)
         tv = [float(x) for x in times.min(axis=0)]     # noise only adds time: the fastest repetition
-        if tpath and (_busy() or unsteady(times)):
+        contended = _busy() or unsteady(times)
+        if contended:
             log.warning("the machine was busy (load average %.1f; repetitions %s) while measuring the cost curve: "
-                        "not caching it; the gamma tuner corrects the costs online", os.getloadavg()[0],
-                        "disagreed" if unsteady(times) else "agreed")
-        elif tpath:
-            atomic_write_json(tpath, {"t_verify": tv, "model": getattr(target, "name", "?"),
-                                      "settings": _settings(target), "device": device_identity()})
+                        "cached as provisional, measured again at a start on a quiet machine; the gamma tuner "
+                        "corrects the costs online", os.getloadavg()[0], "disagreed" if unsteady(times) else "agreed")
+        if tpath:
+            tv = _keep(tpath, {"t_verify": tv, "model": getattr(target, "name", "?"), "settings": _settings(target),
+                               "device": device_identity()}, contended, doc, "t_verify")["t_verify"][:n_max]
     td = 0.0
     if drafter is not None:
         dkey = drafter_key(drafter, target)
         dpath = probes_dir() / f"draft-{dkey}.json" if dkey else None
         ddoc = read_json(dpath) if (use_cache and dpath) else None
-        if ddoc and "t_draft" in ddoc:
+        if _cached(ddoc, lambda d: isinstance(d.get("t_draft"), (int, float))):
             td = float(ddoc["t_draft"])
         else:
             td = measure_draft_step(drafter, target)
             now = target_step_now(target)
-            contended = now > CONTENDED_RATIO * tv[0]
+            contended = now > CONTENDED_RATIO * tv[0] or _busy()
             if contended:
-                log.warning("the target's step took %.1f ms right after the drafter's probe, %.1fx the curve's %.1f ms: "
-                            "the machine was contended, so the drafter's cost is not cached (the gamma tuner corrects "
-                            "it online)", now * 1e3, now / tv[0], tv[0] * 1e3)
-            if dpath and not _busy() and not contended:
-                atomic_write_json(dpath, {"t_draft": td, "drafter": getattr(drafter, "name", "?"),
-                                          "device": device_identity()})
+                log.warning("the target's step took %.1f ms right after the drafter's probe, %.1fx the curve's %.1f ms "
+                            "(load average %.1f): the drafter's cost is cached as provisional (the gamma tuner corrects "
+                            "it online)", now * 1e3, now / tv[0], tv[0] * 1e3, os.getloadavg()[0])
+            if dpath:
+                td = _keep(dpath, {"t_draft": td, "drafter": getattr(drafter, "name", "?"), "device": device_identity()},
+                           contended, ddoc, "t_draft")["t_draft"]
     return CostCurve(t_verify=tuple(tv), t_draft=td, source="measured")
 
 
