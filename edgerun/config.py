@@ -67,6 +67,8 @@ class SpeculativeArgs:
 
     gamma: int | None = None
     gamma_max: int = 8
+    free_gamma_max: int = 24    # model-free drafts (suffix lookup's match classes) may be this long: a long verbatim
+                                # match copies far, and verifying many positions in one call is cheap per position
     p_min: float = 0.0          # drafter stops early when its top probability falls below this
     lookup_ngram_max: int = 3    # prompt-lookup drafter: longest n-gram matched
     lookup_ngram_min: int = 1
@@ -77,6 +79,8 @@ class SpeculativeArgs:
                f"gamma must be 'auto' or an integer in 0..{GAMMA_LIMIT}, got {g!r}", "gamma")
         _check(isinstance(self.gamma_max, int) and 1 <= self.gamma_max <= GAMMA_LIMIT,
                f"gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {self.gamma_max!r}", "gamma_max")
+        _check(isinstance(self.free_gamma_max, int) and 1 <= self.free_gamma_max <= GAMMA_LIMIT,
+               f"free_gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {self.free_gamma_max!r}", "free_gamma_max")
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min!r}", "p_min")
 
 

@@ -93,8 +93,6 @@ def tiny_target(tiny_llama):
 def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
     from edgerun.device import costprobe
 
-    import json
-
     monkeypatch.setattr(costprobe, "_busy", lambda: True)      # a busy machine's figures are provisional...
     busy = probe_costs(tiny_target, None, n_max=4, reps=1)
     [path] = store.probes_dir().glob("verify-*.json")
@@ -122,10 +120,6 @@ def test_cost_probe_measures_and_caches(tiny_target, monkeypatch):
 
 
 def test_a_provisional_curve_is_measured_again_on_a_quiet_machine_and_keeps_the_least_times(tiny_target, monkeypatch):
-    import json
-
-    import numpy as np
-
     from edgerun.device import costprobe
 
     runs = iter([np.array([[4.0, 6.0, 8.0, 9.0]]), np.array([[5.0, 5.0, 9.0, 8.0]]), np.array([[1.0, 2.0, 3.0, 4.0]])])
@@ -151,8 +145,6 @@ def test_drafter_probe_beside_a_contended_target_step_is_not_cached(tiny_target,
     from edgerun.config import BackendArgs
     from edgerun.device import costprobe
     from edgerun.speculative.drafters import ModelDrafter
-
-    import json
 
     monkeypatch.setattr(costprobe, "_busy", lambda: False)
     draft_be = LlamaCppBackend(tiny_llama, BackendArgs(n_ctx=256, n_threads=1))
@@ -193,3 +185,17 @@ def test_cost_probe_with_lookup_drafter(tiny_target):
     prior = cost_curve_for(tiny_target, d, load_profile("rpi5-8gb"), measure=False)
     assert prior.source == "roofline" and prior.t_draft > 0
     assert isinstance(prior, CostCurve) and np.all(np.diff(prior.t_verify) >= 0)
+
+
+def test_the_probe_times_long_drafts_sparsely_and_interpolates(tiny_target):
+    from edgerun.device.costprobe import DENSE, measure_verify_times, probe_points
+
+    assert probe_points(9) == list(range(1, 10))
+    pts = probe_points(25)
+    assert pts[:DENSE] == list(range(1, DENSE + 1)) and pts[-1] == 25 and len(pts) < 25
+    times = measure_verify_times(tiny_target, n_max=25, reps=2)
+    assert times.shape == (2, 25) and (times > 0).all()
+    i, j = pts[DENSE], pts[DENSE + 1]                # between two timed points: on the line through them
+    mid = (i + j) // 2
+    want = times[:, i - 1] + (times[:, j - 1] - times[:, i - 1]) * (mid - i) / (j - i)
+    assert np.allclose(times[:, mid - 1], want)

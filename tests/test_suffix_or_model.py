@@ -169,6 +169,7 @@ def test_on_a_cpu_curve_copied_text_drafts_from_suffix_and_the_model_stays_off(p
     # a model step 0.6 of the target's: on this curve no model draft can pay even if every one is accepted
     tuner = GammaTuner(_curve(CPU, 0.03, 0.6), gamma_max=8, n_classes=10, free_classes=6)
     assert not tuner._could_win(1.0, 6) and tuner._could_win(0.8, 0)
+    tuner._learn_times = lambda *a, **kw: None      # the curve stays the CPU's (the tiny model's real times are flat)
     d = SuffixOrModel(ModelDrafter(noisy, target))
     picked = {"suffix": 0, "model": 0}
     real_pick = tuner.pick
@@ -238,3 +239,28 @@ def test_draft_auto_with_a_paired_model_is_suffix_or_model(tiny_llama, tmp_path,
         alone_key = rt.tuner_store.key if rt.tuner_store else None
     assert combined_key is None or combined_key != alone_key
     assert TunerStore.keyed("t", "d", combined=True).key != TunerStore.keyed("t", "d").key
+
+
+def test_free_classes_may_draft_longer_than_a_models():
+    """Suffix drafts of a long verbatim match may reach free_gamma_max (24); a model's stay within gamma_max (8)."""
+    from edgerun.config import SpeculativeArgs
+    from edgerun.speculative.gamma import gamma_limits
+
+    assert gamma_limits(SpeculativeArgs(), None, True) == (24, 8)
+    assert gamma_limits(SpeculativeArgs(), None, False) == (8, 8)
+    assert gamma_limits(SpeculativeArgs(gamma_max=4, free_gamma_max=12), None, True) == (12, 4)
+    # a curve whose cost per position falls with n (batched verification: matrix-matrix work), as a CPU's does
+    long_curve = [1.0, 1.6, 2.2, 3.0, 3.4, 3.8, 4.2, 4.6, 5.0] + [5.0 + 0.25 * k for k in range(1, 17)]
+    t = GammaTuner(_curve(long_curve, 0.03, 0.35), gamma_max=24, n_classes=10, free_classes=6, model_gamma_max=8)
+    assert t.cap(5) == 24 and t.cap(8) == 8
+    assert (t.rates(8)[9:] == 0).all() and (t.rates(5)[9:] > 0).all()
+    t._learn_times = lambda *a, **kw: None
+    for _ in range(60):                         # a 17+ match whose drafts are all accepted
+        g = t.choose(5)
+        t.observe(g, g, 0.0, 0.0)
+    assert t.gammas()[5] > 8
+    for _ in range(60):                         # a model whose drafts are all accepted: still at most 8
+        g = t.choose(9)
+        assert g <= 8
+        t.observe(g, g, g * 0.35 * 0.03, 0.0)
+    assert t.gammas()[9] <= 8

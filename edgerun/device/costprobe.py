@@ -88,15 +88,33 @@ def measure_verify_times(target, *, n_max: int = N_MAX, reps: int = 3, context: 
     for n in (1, n_max):                     # warm-up (caches, repacked weights): not timed
         target.eval(seq[context:context + n])
         target.truncate(context)
-    times = np.zeros((reps, n_max))          # times [rep, n - 1]
+    points = probe_points(n_max)
+    times = np.zeros((reps, len(points)))    # times [rep, point]
     for r in range(reps):
-        for n in range(1, n_max + 1):
+        for i, n in enumerate(points):
             t0 = time.perf_counter()
             target.eval(seq[context:context + n])
-            times[r, n - 1] = time.perf_counter() - t0
+            times[r, i] = time.perf_counter() - t0
             target.truncate(context)
     target.truncate(0)
-    return times
+    if len(points) == n_max:
+        return times
+    return np.stack([np.interp(np.arange(1, n_max + 1), points, row) for row in times])   # [reps, n_max]
+
+
+DENSE = 10      # the probe times every n up to this; past it every STRIDE-th (interpolated between)
+STRIDE = 4
+
+
+def probe_points(n_max: int) -> list[int]:
+    """The n the probe times: 1..DENSE, then every STRIDE-th up to n_max (and n_max): long drafts (suffix lookup's,
+    up to SpeculativeArgs.free_gamma_max) need the curve far out, where it is smooth, and timing every n there would
+    add seconds to a first start."""
+    pts = list(range(1, min(n_max, DENSE) + 1))
+    pts += list(range(DENSE + STRIDE, n_max, STRIDE))
+    if n_max > DENSE:
+        pts.append(n_max)
+    return pts
 
 
 def measure_draft_step(drafter, target, *, gamma: int = 4, reps: int = 5, context: int = 64) -> float:

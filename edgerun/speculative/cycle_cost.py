@@ -137,13 +137,17 @@ class CycleCostModel:
         """Predicted tokens/s for gamma = 0..gamma_max in a hint class (vectorised: runs every cycle);
         with rng, for acceptance drawn from its posterior; with z, at its lower confidence bound."""
         tokens, cost = self._cycle(hint, rng, z)
-        return tokens / cost
+        r = tokens / cost
+        cap = self.cap(hint)
+        if cap < self.gamma_max:
+            r[cap + 1:] = 0.0                     # longer than this class may draft (a model's, beside free drafts)
+        return r
 
     def _could_win(self, alpha: float = 1.0, c: int | None = None) -> bool:
         """Whether some gamma beats plain decoding by the hysteresis margin at acceptance alpha per
         position (default: every draft accepted), with class c's draft cost (None: the model's)."""
-        G = self.gamma_max
-        tv = self._tv_table()                                           # tv [G + 1]
+        G = self.cap(c)
+        tv = self._tv_table()[:G + 1]                                   # tv [G + 1]
         g = np.arange(1, G + 1)
         tokens = g + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)   # Leviathan's E[tokens]
         best = (tokens / (g * self.draft_cost(c) + tv[1:])).max()

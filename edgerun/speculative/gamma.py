@@ -139,7 +139,8 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
     cycle, chosen here (module docstring)."""
 
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, seed: int = 0,
-                 settings: TunerSettings = TunerSettings(), free_classes: int = 0) -> None:
+                 settings: TunerSettings = TunerSettings(), free_classes: int = 0,
+                 model_gamma_max: int | None = None) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
             raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
         if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
@@ -150,6 +151,10 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         self.gamma_max = gamma_max
         self.n_classes = n_classes
         self.free_classes = free_classes        # classes < this draft for nothing (no model step, no catch-up)
+        # the other classes (a model's drafts) draft at most this many; free ones up to gamma_max
+        self.model_gamma_max = gamma_max if model_gamma_max is None else min(int(model_gamma_max), gamma_max)
+        if self.model_gamma_max < 1:
+            raise InvalidArgument(f"model_gamma_max must be >= 1, got {model_gamma_max!r}")
         self.settings = settings
         self.warmup_gamma = min(settings.warmup_gamma, gamma_max)     # 0: chosen from the curve per cycle
         self._rng = np.random.default_rng(seed)
@@ -182,16 +187,21 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         minutes (docs/batching.md)."""
         from ..device.costprobe import cost_curve_for
 
-        gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
+        free = int(getattr(drafter, "free_classes", 0))
+        gmax, model_gmax = gamma_limits(spec, profile, free > 0)
         # a drafter offering model-free and model drafts (speculative/combined.py) is priced by its model's step
         curve = cost_curve_for(target, getattr(drafter, "model", drafter), profile, measure=measure, n_max=gmax + 1)
-        return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)),
-                   free_classes=int(getattr(drafter, "free_classes", 0)))
+        return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)), free_classes=free,
+                   model_gamma_max=model_gmax)
 
     def fresh(self, seed: int = 0) -> "GammaTuner":
         """A tuner with this one's cost curve, gamma_max, classes and settings, and nothing learned."""
         return GammaTuner(self.cost, self.gamma_max, n_classes=self.n_classes, seed=seed, settings=self.settings,
-                          free_classes=self.free_classes)
+                          free_classes=self.free_classes, model_gamma_max=self.model_gamma_max)
+
+    def cap(self, c: int | None) -> int:
+        """The longest draft class c may ask for: gamma_max for model-free drafts, model_gamma_max for a model's."""
+        return self.gamma_max if self._free(c) else self.model_gamma_max
 
     # -- what was learned, to persist between processes (speculative/tuner_store.py) --------------------
     _ARRAYS = ("_acc", "_seen", "_asked", "_got", "_shape", "_shape_n", "_current", "_n_drafting",
@@ -291,7 +301,7 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
             self._since_explore[c] = 0
             self._explore_interval[c] = min(2 * self._explore_interval[c], self.settings.explore_max)
             self.n_explored += 1
-            cands = [x for x in (0, g + 1, g - 1) if 0 <= x <= self.gamma_max and x != g]
+            cands = [x for x in (0, g + 1, g - 1) if 0 <= x <= self.cap(c) and x != g]
             g = cands[self._explore_turn % len(cands)]
             self._explore_turn += 1
         self._last = g
@@ -363,9 +373,9 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         """The gamma (>= 1) the cost curve favours for a drafter that is good (acceptance WARMUP_ALPHA): the
         warm-up learns acceptance where speculation would be run. Where the curve is not monotone (llama.cpp's
         CPU kernels verify 4 positions for little more than 2) it is not simply a small gamma."""
-        g = np.arange(1, self.gamma_max + 1)
+        g = np.arange(1, self.cap(c) + 1)
         tokens = (1.0 - WARMUP_ALPHA ** (g + 1)) / (1.0 - WARMUP_ALPHA)            # Leviathan's E[tokens]
-        return int(g[np.argmax(tokens / (g * self.draft_cost(c) + self._tv_table()[1:]))])
+        return int(g[np.argmax(tokens / (g * self.draft_cost(c) + self._tv_table()[1:len(g) + 1]))])
 
     def _off_gap(self, g: int = 1, lag: int = 0, c: int | None = None) -> float:
         """Plain cycles between exploratory g-token drafts so that a losing draft, with the drafter's
@@ -412,6 +422,13 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
                 "supply": [[float(x) for x in self.supply(c)] for c in range(self.n_classes)],
                 "t_draft": self.t_draft(), "t_verify_1": self.t_verify(1), "cost_source": self.cost.source,
                 "n_explored": self.n_explored}
+
+
+def gamma_limits(spec, profile, free: bool) -> tuple[int, int]:
+    """(gamma_max, model_gamma_max) of a tuner: the profile's and the settings' cap for a model's drafts; with
+    model-free drafts on offer (suffix lookup) those may reach spec.free_gamma_max (never less than the model's)."""
+    gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
+    return (max(gmax, spec.free_gamma_max) if free else gmax), gmax
 
 
 class BatchedGamma:

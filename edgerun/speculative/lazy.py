@@ -39,7 +39,7 @@ from ..constrain.base import Constraint
 from ..errors import EdgerunError
 from .combined import SuffixOrModel
 from .drafters import ModelDrafter, margin_class
-from .gamma import WARMUP_ALPHA, GammaTuner
+from .gamma import WARMUP_ALPHA, GammaTuner, gamma_limits
 from .tuner_store import TunerStore
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     store = TunerStore.keyed(tk, dk, combined=combined)
     if not any(store.path(r).exists() for r in REGIMES):
         return None                    # nothing learned yet: its first run loads it (and measures nothing twice)
-    gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
+    gmax, model_gmax = gamma_limits(spec, profile, combined)
     try:
         tv = probe_costs(target, None, n_max=gmax + 1).t_verify          # cached, or measured on the target
     except (EdgerunError, OSError) as e:
@@ -239,7 +239,7 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
         return None
     free = SuffixOrModel.free_classes if combined else 0
     tuner = GammaTuner(CostCurve(t_verify=tv, t_draft=float(doc["t_draft"]), source="measured"), gamma_max=gmax,
-                       n_classes=free + ModelDrafter.n_classes, free_classes=free)
+                       n_classes=free + ModelDrafter.n_classes, free_classes=free, model_gamma_max=model_gmax)
     drafts = {}
     for r in REGIMES:
         t = tuner.fresh()

@@ -98,6 +98,7 @@ class SuffixDrafter:
     vocab_fingerprint = None
     weight_bytes = 0
     n_classes = 6
+    free_classes = 6               # every class: drafts that cost nothing to make (GammaTuner prices none)
 
     def __init__(self) -> None:
         self.history = None            # a HistoryBucket (speculative/history.py) the server sets per request

@@ -43,7 +43,7 @@ class TunerStore:
         tk, dk = target_key(target), drafter_key(getattr(drafter, "model", drafter), target)
         if tk is None or dk is None:
             return None
-        return cls.keyed(tk, dk, combined=bool(getattr(drafter, "free_classes", 0)))
+        return cls.keyed(tk, dk, combined=getattr(drafter, "model", None) is not None)
 
     @classmethod
     def keyed(cls, tk: str, dk: str, *, combined: bool = False) -> "TunerStore":
