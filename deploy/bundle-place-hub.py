@@ -92,6 +92,30 @@ def _merge_files_json(src: str, dest: str) -> None:
     _atomic_write(dest, (json.dumps(old, indent=1) + "\n").encode())
 
 
+def _drop_unused_commits(repo: str, prefix: str, cache: str) -> None:
+    """An upgrade that carries a newer revision of a repo: the commits no record in the cache names any more
+    go, in the cache and under PREFIX (as a pull drops them); nothing goes if a record cannot be read."""
+    picks = os.path.join(cache, "hub", repo, "picks")
+    used = set()
+    for name in os.listdir(picks) if os.path.isdir(picks) else ():
+        try:
+            with open(os.path.join(picks, name)) as f:
+                used.add(json.load(f)["revision"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+    for root in (cache, prefix):
+        top = os.path.join(root, "hub", repo)
+        for d in sorted(os.listdir(top)) if os.path.isdir(top) else ():
+            path = os.path.join(top, d)
+            if d in used or d == "picks" or d.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            if DRY:
+                print(f"+ rm -rf {path}")
+            else:
+                say(f"removing {path}: a commit of {repo} that no installed name uses any more")
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def place(bundle: str, prefix: str, cache: str) -> int:
     with open(os.path.join(bundle, "manifest.json")) as f:
         manifest = json.load(f)
@@ -115,9 +139,11 @@ def place(bundle: str, prefix: str, cache: str) -> int:
     for m in manifest.get("models", []):
         if m.get("hub"):
             h = m["hub"]
+            _drop_unused_commits(h["repo_id"], prefix, cache)
             conv = f", its converted GGUF {h['converted']}" if h.get("converted") else ""
             say(f"hub model {m['name']}: {h['repo_id']} at {h['revision'][:12]} ({len(h['files'])} files{conv})")
-    say(f"hub files: {copied} copied to {prefix}, {kept} already there; linked from {cache} (the unit's EDGERUN_HOME)")
+    did = "to copy" if DRY else "copied"
+    say(f"hub files: {copied} {did} to {prefix}, {kept} already there; linked from {cache} (the unit's EDGERUN_HOME)")
     return 0
 
 

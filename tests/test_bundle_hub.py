@@ -160,8 +160,15 @@ def test_a_fresh_board_runs_the_hub_models_with_no_network(made, tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgerun", "list", "--json"], capture_output=True, text=True, env=env)
     rows = {x["name"]: x for x in json.loads(r.stdout)}
     assert rows[GGUF]["cached"] and rows[AWQ]["cached"]
-    r = _place(d, board)                                      # a re-install: nothing copied again
+    # a re-install after a bundle of an older revision: nothing copied again, and the older commit (no record
+    # names it any more: the bundle's record replaced its own) goes, in the cache and under the prefix
+    old = [board / where / "hub/tiny/tiny-GGUF" / ("0" * 40) for where in ("cache", "opt")]
+    for o in old:
+        o.mkdir()
+        (o / "tiny-Q8_0.gguf").write_bytes(b"an older revision")
+    r = _place(d, board)
     assert r.returncode == 0 and "hub files: 0 copied" in r.stdout, r.stdout
+    assert not any(o.exists() for o in old) and gguf.is_file() and gguf.resolve().is_file()
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "unlisted"])
