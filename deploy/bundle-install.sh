@@ -8,7 +8,8 @@
 # (2) verify every file of the bundle against manifest.json (size + sha256; a missing, corrupt or
 # unlisted file stops here, before anything is touched); (3) a NEW venv PREFIX/venvs/<version>-<time>,
 # filled from the bundle's wheels; (4) the models into PREFIX/models (world-readable) and links to them
-# in the service's cache (EDGERUN_HOME of the unit: /var/cache/edgerun); (5) PREFIX/venv, a symlink,
+# in the service's cache (EDGERUN_HOME of the unit: /var/cache/edgerun); hub models (hf:...) into PREFIX/hub,
+# linked the same way, with their records (place_hub.py), each then resolved from the cache offline; (5) PREFIX/venv, a symlink,
 # switched to the new venv in one rename (a failed install leaves the previous version as it was);
 # (6) /etc/edgerun/edgerun.env written only if absent; the unit rendered by the new venv's
 # `edgerun service print`; (7) systemctl daemon-reload, enable, restart (only where systemd runs).
@@ -135,10 +136,12 @@ for rel, f in listed.items():
     if h.hexdigest() != f["sha256"]:
         bad.append(f"{rel}: sha256 {h.hexdigest()} does not match the manifest's {f['sha256']} (corrupt)")
     total += f["size"]
-for sub in ("wheels", "models"):            # pip and the model copy take whatever is there: only listed files
-    for name in sorted(os.listdir(os.path.join(root, sub))) if os.path.isdir(os.path.join(root, sub)) else ():
-        if f"{sub}/{name}" not in listed:
-            bad.append(f"{sub}/{name}: not in the manifest (remove it)")
+for sub in ("wheels", "models", "hub"):     # pip and the model copy take whatever is there: only listed files
+    for top, dirs, names in sorted(os.walk(os.path.join(root, sub))):
+        for name in sorted(names):
+            rel = os.path.relpath(os.path.join(top, name), root).replace(os.sep, "/")
+            if rel not in listed:
+                bad.append(f"{rel}: not in the manifest (remove it)")
 if bad:
     sys.exit("\n".join(f"install.sh: {b}" for b in bad))
 print(f"==> verified {len(listed)} files ({total / 1e6:.1f} MB) against manifest.json")
@@ -146,7 +149,7 @@ print(f"==> verified {len(listed)} files ({total / 1e6:.1f} MB) against manifest
 def installed(rel, size):                  # a model an earlier install already placed (an upgrade)
     q = os.path.join(prefix, rel)
     return os.path.isfile(q) and os.path.getsize(q) == size
-need = sum(f["size"] for r, f in listed.items() if r.startswith("models/") and not installed(r, f["size"])) \
+need = sum(f["size"] for r, f in listed.items() if r.startswith(("models/", "hub/")) and not installed(r, f["size"])) \
     + 4 * sum(f["size"] for r, f in listed.items() if r.startswith("wheels/"))
 p = prefix
 while not os.path.exists(p):
@@ -181,6 +184,12 @@ if [ "$dry" = 0 ]; then
 fi
 trap - ERR
 
+resolve_check='import json, sys
+from edgerun.resolve import resolve_model
+for m in json.load(open(sys.argv[1]))["models"]:
+    if m.get("hub"):
+        print("==>", m["name"], "resolves offline:", resolve_model(m["name"], pull=False))'
+
 # --- 4. the models: PREFIX/models (readable by everyone), linked from the service's cache --------------
 say "models in $prefix/models, linked from $cache_dir/models (the unit's EDGERUN_HOME)"
 run mkdir -p -m 0755 "$prefix/models" "$cache_dir/models"
@@ -198,6 +207,17 @@ for f in "$here"/models/*; do
     fi
     run ln -sfn "$dest" "$cache_dir/models/$name"
 done
+if [ -d "$here/hub" ]; then   # hub models (hf:ORG/REPO...): their files and records, as the pulling machine's cache
+    say "hub models in $prefix/hub, linked from $cache_dir/hub; their records in $cache_dir/hub"
+    place=("$python" "$here/place_hub.py" "$here" "$prefix" "$cache_dir")
+    if [ "$dry" = 1 ]; then place+=(--dry-run); fi
+    "${place[@]}" || { cleanup_new; die "placing the hub models failed; the previous version is unchanged"; }
+    # each resolves from the installed cache with no network, as the service will resolve it (an INT4
+    # checkpoint finds the converted GGUF the bundle carries: nothing is converted on the board)
+    run env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root EDGERUN_HOME="$cache_dir" HF_HUB_OFFLINE=1 \
+        "$new/bin/python" -c "$resolve_check" "$here/manifest.json" ||
+        { cleanup_new; die "a hub model does not resolve from $cache_dir; the previous version is unchanged"; }
+fi
 
 # --- 5. the switch: PREFIX/venv -> the new venv, one rename -------------------------------------------------
 if [ -d "$prefix/venv" ] && [ ! -L "$prefix/venv" ]; then
@@ -238,7 +258,7 @@ fi
 # --- 7. systemd ----------------------------------------------------------------------------------------------
 if [ "$offline" = 1 ] || [ ! -d /run/systemd/system ] || ! command -v systemctl >/dev/null 2>&1; then
     say "no running systemd here: the unit is written to $unit_dir/edgerun.service; nothing was started"
-    say "by hand: $prefix/venv/bin/edgerun generate -m $prefix/models/<file> 'Hello'"
+    say "by hand: EDGERUN_HOME=$cache_dir $prefix/venv/bin/edgerun generate -m $model --no-pull 'Hello'"
     exit 0
 fi
 run systemctl daemon-reload

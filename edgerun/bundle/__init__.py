@@ -8,6 +8,9 @@ version::
     DIR/wheels/*.whl        edgerun, llama-cpp-python (built with the profile's CMAKE_ARGS + RPC), and every
                             dependency (pip download --platform/--python-version --only-binary)
     DIR/models/*.gguf       the models, copied from the verified cache (variants included)
+    DIR/hub/ORG/REPO/...    hub models (hf:ORG/REPO...): the pulled revision's verified files and the name's
+                            record, as the cache holds them (models/converted/: a checkpoint's GGUF)
+    DIR/place_hub.py        lays the hub models out in the board's cache (deploy/bundle-place-hub.py)
     DIR/deploy/             the systemd unit and the env file (model, drafter, profile, no pulls)
 
 The folder is built beside DIR under a hidden temporary name and renamed at the end (util.atomic), so a
@@ -17,7 +20,7 @@ downloaded), and llama-cpp-python built here is kept in the cache ($EDGERUN_HOME
 
 By subject: spec.py (what is asked, the board it describes), wheels.py (edgerun's wheel, llama-cpp-python
 for the board, the dependencies), files.py (hashing, placing, reusing verified files), make.py (writing the
-folder or tarball and its manifest).
+folder or tarball and its manifest), models.py (the registry's and the hub's models, verified then carried).
 """
 
 from __future__ import annotations

@@ -18,29 +18,17 @@ from typing import Sequence
 from ..config import DEFAULT_MODEL
 from ..device.profiles import load_profile
 from ..errors import InvalidArgument
-from ..registry.manifest import default_draft_for, get_manifest, split_name
-from ..resolve import pull_model
+from ..registry import hub
+from ..registry.manifest import default_draft_for
 from ..serve.systemd import DEFAULT_PREFIX, render_unit
 from ..util.atomic import atomic_dir, atomic_path, raise_if_stopped, remove_stale
 from ..version import __version__
 from .files import _place, _reusable, _walk, sha256_file
+from .models import PLACE_SCRIPT, add_models, check_name, hub_auto_draft
 from .spec import BundleError, BundleResult, BundleSpec, Progress, Say, Target, target_for
 from .wheels import build_edgerun_wheel, check_llama_wheel, download_dependencies, llama_pin, llama_wheel_for, source_root
 
 FORMAT = 1                     # manifest.json's "format": bumped when install.sh must read it differently
-
-
-def _model_files(names: Sequence[str], progress: Progress | None, say: Say | None) -> list[tuple[str, Path]]:
-    """(name, cached file) for each model: pulled if missing, re-hashed against its pinned sha256 (a variant,
-    made by edgerun here, is taken as made: it is written atomically)."""
-    out = []
-    for name in names:
-        base, variant = split_name(name)
-        get_manifest(base)                        # an unknown name fails here, before anything is fetched
-        if say:
-            say(f"models: {name} (verifying the cached file against its pinned sha256)")
-        out.append((name, pull_model(name, progress, verify=True)))
-    return out
 
 
 def env_file_text(template: str, model: str, draft: str | None, profile: str) -> str:
@@ -63,26 +51,27 @@ def env_file_text(template: str, model: str, draft: str | None, profile: str) ->
 # --- the bundle ---------------------------------------------------------------------------------------
 
 def resolve_models(spec: BundleSpec) -> tuple[list[str], str | None]:
+    """The models to carry (the served one first) and the drafter to serve with. Registry names, NAME@VARIANT
+    and hub names (hf:ORG/REPO...) are carried; `auto` for a hub model stays "auto" until make_bundle has
+    pulled it (its drafter is a cached model of the same vocabulary: hub_auto_draft)."""
     models = list(dict.fromkeys(spec.models or (DEFAULT_MODEL,)))
-    for name in [*models, spec.draft or ""]:
-        if name.startswith("hf:"):          # the hub cache is not laid out by install.sh (docs/models.md)
-            raise InvalidArgument(f"{name}: a bundle does not carry hub models yet, only registry names and "
-                                  "NAME@VARIANT; on a connected machine `edgerun pull` it, copy $EDGERUN_HOME/hub/"
-                                  "ORG/REPO into the board's cache (the service's: /var/cache/edgerun/hub/ORG/REPO) "
-                                  f"and set EDGERUN_MODEL={name} and EDGERUN_NO_PULL=1")
     for name in models:
-        if os.sep in name or name.endswith((".gguf", ".onnx")):
-            raise InvalidArgument(f"--model {name}: a bundle takes registry names (`edgerun list`) or "
-                                  "NAME@VARIANT, whose pinned files it can verify")
+        if not hub.is_hub_name(name) and (os.sep in name or name.endswith((".gguf", ".onnx"))):
+            raise InvalidArgument(f"--model {name}: a bundle takes registry names (`edgerun list`), NAME@VARIANT "
+                                  "or hub names (hf:ORG/REPO[@REV][:QUANT|/FILE.gguf]), whose verified files it "
+                                  "carries with their sha256")
+        check_name(name)
     draft = spec.draft
     if draft == "auto":      # the paired drafter, else suffix lookup (model-free, as `--draft auto` runs it)
+        if hub.is_hub_name(models[0]):
+            return models, "auto"
         draft = default_draft_for(models[0]) or "suffix"
     elif draft in ("none", ""):
         draft = None
     if draft in ("suffix", "lookup"):
         return models, draft
     if draft is not None:
-        split_name(draft)
+        check_name(draft)
         if draft not in models:
             models.append(draft)
     return models, draft
@@ -102,6 +91,10 @@ def make_bundle(spec: BundleSpec, *, progress: Progress | None = None, say: Say 
         check_llama_wheel(llama, pin, target)
     else:                     # before anything is written: a board whose wheel cannot be made here is refused now
         llama = llama_wheel_for(target, pin, say)
+    if draft == "auto":       # a hub model's pair is known once it is pulled (before anything is written)
+        draft = hub_auto_draft(models[0], progress, say)
+        if draft not in ("suffix", "lookup") and draft not in models:
+            models.append(draft)
     if as_tar:
         if out.is_dir():
             raise InvalidArgument(f"-o {out} is a directory; expected a new FILE.tar (or a folder without .tar)")
@@ -159,13 +152,15 @@ def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: s
         raise BundleError(f"expected exactly the llama-cpp-python wheel {llama.name} in the bundle, found "
                           f"{[w.name for w in llamas]}")
     raise_if_stopped()
+    return fill_rest(d, target, models, draft, root=root, llama_name=llama.name, extras=spec.extras,
+                     progress=progress, say=say)
 
-    model_records = []
-    for name, path in _model_files(models, progress, say):
-        dest = d / "models" / path.name
-        _place(path, dest, progress, stage=f"copy {path.name}")
-        model_records.append({"name": name, "file": f"models/{path.name}"})
-        raise_if_stopped()
+
+def fill_rest(d: Path, target: Target, models: list[str], draft: str | None, *, root: Path, llama_name: str,
+              extras: Sequence[str], progress: Progress | None = None, say: Say | None = None) -> dict:
+    """Everything of a bundle after its wheels: the models, the unit and env file, the installer, and
+    manifest.json over every file in `d` (tests make a bundle of models alone with it: no pip, no llama.cpp)."""
+    model_records = add_models(d, models, progress, say)
 
     (d / "deploy").mkdir()
     (d / "deploy" / "edgerun.service").write_text(        # as install.sh renders it for the default prefix
@@ -175,6 +170,7 @@ def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: s
     installer = d / "install.sh"
     shutil.copyfile(root / "deploy" / "bundle-install.sh", installer)
     installer.chmod(0o755)
+    shutil.copyfile(root / "deploy" / "bundle-place-hub.py", d / PLACE_SCRIPT)
 
     files = list(_walk(d))
     total = sum(p.stat().st_size for p in files)
@@ -197,8 +193,8 @@ def _fill(d: Path, spec: BundleSpec, target: Target, models: list[str], draft: s
         "profile": target.profile,
         "target": {"python": target.python, "machine": target.machine, "glibc": target.glibc,
                    "platforms": target.platforms},
-        "extras": list(spec.extras),
-        "llama_cpp_python": llama.name,
+        "extras": list(extras),
+        "llama_cpp_python": llama_name,
         "model": models[0],
         "draft": draft,
         "models": model_records,

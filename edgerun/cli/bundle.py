@@ -12,10 +12,11 @@ import click
 @click.option("--profile", "profile_name", required=True,
               help="The board's device profile (`edgerun profile list`) or a profile YAML path.")
 @click.option("--model", "-m", "models", multiple=True,
-              help="A registry model (or NAME@VARIANT) to ship; repeatable; the first is the served one. "
-                   "Default: smollm2-135m-instruct.")
+              help="A registry model, NAME@VARIANT or hub name (hf:ORG/REPO[@REV][:QUANT|/FILE.gguf], pulled if "
+                   "not cached) to ship; repeatable; the first is the served one. Default: smollm2-135m-instruct.")
 @click.option("--draft", default="auto", show_default=True,
-              help="Drafter to ship and serve with: auto (the registry's pair of the first model), none, or a name.")
+              help="Drafter to ship and serve with: auto (the first model's pair, as `--draft auto` finds it; else "
+                   "suffix lookup), none, suffix, lookup, or a model name (a hub name too).")
 @click.option("--python", "python_version", default="3.11", show_default=True,
               help="The board's CPython MAJOR.MINOR (Raspberry Pi OS / Debian bookworm: 3.11).")
 @click.option("--glibc", default=None,
