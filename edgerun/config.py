@@ -83,6 +83,12 @@ class SpeculativeArgs:
                f"free_gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {self.free_gamma_max!r}", "free_gamma_max")
         _check(0.0 <= self.p_min < 1.0, f"p_min must be in [0, 1), got {self.p_min!r}", "p_min")
 
+    def limits(self, profile, free: bool) -> tuple[int, int]:
+        """(gamma_max, model_gamma_max) of a GammaTuner: the profile's and these settings' cap for a model's drafts;
+        with model-free drafts on offer (suffix lookup) those may reach free_gamma_max (never less than a model's)."""
+        gmax = min(self.gamma_max, profile.gamma_max) if profile is not None else self.gamma_max
+        return (max(gmax, self.free_gamma_max) if free else gmax), gmax
+
 
 def parse_gamma(gamma) -> int | None:
     """A gamma option (an integer, its text, 'auto' or None) -> None for 'auto', else a checked draft length."""

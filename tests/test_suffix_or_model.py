@@ -244,11 +244,10 @@ def test_draft_auto_with_a_paired_model_is_suffix_or_model(tiny_llama, tmp_path,
 def test_free_classes_may_draft_longer_than_a_models():
     """Suffix drafts of a long verbatim match may reach free_gamma_max (24); a model's stay within gamma_max (8)."""
     from edgerun.config import SpeculativeArgs
-    from edgerun.speculative.gamma import gamma_limits
 
-    assert gamma_limits(SpeculativeArgs(), None, True) == (24, 8)
-    assert gamma_limits(SpeculativeArgs(), None, False) == (8, 8)
-    assert gamma_limits(SpeculativeArgs(gamma_max=4, free_gamma_max=12), None, True) == (12, 4)
+    assert SpeculativeArgs().limits(None, True) == (24, 8)
+    assert SpeculativeArgs().limits(None, False) == (8, 8)
+    assert SpeculativeArgs(gamma_max=4, free_gamma_max=12).limits(None, True) == (12, 4)
     # a curve whose cost per position falls with n (batched verification: matrix-matrix work), as a CPU's does
     long_curve = [1.0, 1.6, 2.2, 3.0, 3.4, 3.8, 4.2, 4.6, 5.0] + [5.0 + 0.25 * k for k in range(1, 17)]
     t = GammaTuner(_curve(long_curve, 0.03, 0.35), gamma_max=24, n_classes=10, free_classes=6, model_gamma_max=8)

@@ -188,7 +188,7 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         from ..device.costprobe import cost_curve_for
 
         free = int(getattr(drafter, "free_classes", 0))
-        gmax, model_gmax = gamma_limits(spec, profile, free > 0)
+        gmax, model_gmax = spec.limits(profile, free > 0)
         # a drafter offering model-free and model drafts (speculative/combined.py) is priced by its model's step
         curve = cost_curve_for(target, getattr(drafter, "model", drafter), profile, measure=measure, n_max=gmax + 1)
         return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)), free_classes=free,
@@ -422,13 +422,6 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
                 "supply": [[float(x) for x in self.supply(c)] for c in range(self.n_classes)],
                 "t_draft": self.t_draft(), "t_verify_1": self.t_verify(1), "cost_source": self.cost.source,
                 "n_explored": self.n_explored}
-
-
-def gamma_limits(spec, profile, free: bool) -> tuple[int, int]:
-    """(gamma_max, model_gamma_max) of a tuner: the profile's and the settings' cap for a model's drafts; with
-    model-free drafts on offer (suffix lookup) those may reach spec.free_gamma_max (never less than the model's)."""
-    gmax = min(spec.gamma_max, profile.gamma_max) if profile is not None else spec.gamma_max
-    return (max(gmax, spec.free_gamma_max) if free else gmax), gmax
 
 
 class BatchedGamma:

@@ -39,7 +39,7 @@ from ..constrain.base import Constraint
 from ..errors import EdgerunError
 from .combined import SuffixOrModel
 from .drafters import ModelDrafter, margin_class
-from .gamma import WARMUP_ALPHA, GammaTuner, gamma_limits
+from .gamma import WARMUP_ALPHA, GammaTuner
 from .tuner_store import TunerStore
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     store = TunerStore.keyed(tk, dk, combined=combined)
     if not any(store.path(r).exists() for r in REGIMES):
         return None                    # nothing learned yet: its first run loads it (and measures nothing twice)
-    gmax, model_gmax = gamma_limits(spec, profile, combined)
+    gmax, model_gmax = spec.limits(profile, combined)
     try:
         tv = probe_costs(target, None, n_max=gmax + 1).t_verify          # cached, or measured on the target
     except (EdgerunError, OSError) as e:
