@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..errors import InvalidArgument
+from ..util import jsontext
 from .grammar import JSON_OPTIONS, Grammar, special_token_name
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -201,7 +202,7 @@ def _normal_call(call: Any, i: int, j: int) -> dict:
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = jsontext.loads(args, f"{where}.function.arguments") if args.strip() else {}
         except json.JSONDecodeError as e:
             raise InvalidArgument(f"{where}.function.arguments is not valid JSON: {e.msg}") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -236,8 +237,8 @@ def parse_tool_calls(text: str, tools: Sequence[Tool]) -> tuple[str | None, list
     for m in re.finditer(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", text, re.DOTALL):
         body = m.group(1).strip()
         try:
-            call = _as_call(json.loads(_FENCED.sub(r"\1", body)), names)
-        except json.JSONDecodeError:
+            call = _as_call(jsontext.loads(_FENCED.sub(r"\1", body), "a tool call"), names)
+        except (json.JSONDecodeError, InvalidArgument):     # not JSON, or nested past the limit: text
             call = None
         if call is None:
             if not m.group(0).endswith(CLOSE):   # a call cut short at the end of the answer: dropped
@@ -254,8 +255,8 @@ def parse_tool_calls(text: str, tools: Sequence[Tool]) -> tuple[str | None, list
         candidate = m.group(1) if m else content
         if candidate.startswith("{"):
             try:
-                call = _as_call(json.loads(candidate), names)
-            except json.JSONDecodeError:
+                call = _as_call(jsontext.loads(candidate, "a tool call"), names)
+            except (json.JSONDecodeError, InvalidArgument):
                 call = None
             if call is not None:
                 return None, [call]
