@@ -3,7 +3,9 @@
 For each strategy (JSON schemas, regexes, Lark grammars from tests/fuzz_strategies.py), N generated
 grammars go through `Runtime.constraint` on a real model and, when they compile, a few masks and
 tokens; reported: how many compiled, how many were refused (InvalidArgument), how many failed any
-other way (must be 0), and the slowest one. --fork-cost: the first check of a new small schema (the
+other way (must be 0), and the slowest one. Then generated request bodies (REQUEST_BODY) against the
+real app on the same model, in process: how many were answered 2xx and 4xx, and how many got a 5xx or
+left /health unanswered (must be 0). --fork-cost: the first check of a new small schema (the
 sandbox's fork + compile + 16 masks) against the same work in the process and a remembered verdict.
 
     nice python bench/fuzz.py [--model smollm2-135m-instruct] [--examples 300] [--out bench/results/fuzz.json]
@@ -24,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fuzz_strategies import ANY_SCHEMA, LARK, REGEX  # noqa: E402
+from fuzz_strategies import ANY_SCHEMA, LARK, REGEX, REQUEST_BODY  # noqa: E402
 
 from edgerun.errors import InvalidArgument  # noqa: E402
 from edgerun.runtime import load  # noqa: E402
@@ -58,6 +60,44 @@ def run_strategy(rt, name: str, strategy, kw: str, examples: int) -> dict:
     one()
     return {"strategy": name, "examples": sum(counts.values()), **counts, "slowest_s": slowest[0],
             "slowest": slowest[1]}
+
+
+def run_bodies(rt, model: str, examples: int) -> dict:
+    """REQUEST_BODY against the real app (create_app, uvicorn on a thread) serving `rt`."""
+    import httpx
+
+    from edgerun.serve.settings import ServerConfig
+    from server_harness import InProcessServer, wait_until
+
+    counts: Counter = Counter()
+    slowest = [0.0, ""]
+    with InProcessServer(ServerConfig(model=model, queue=4), lambda: rt) as srv:
+        wait_until(srv.state.scheduler.ready.is_set, timeout=120, what="ready")
+        name = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(body=REQUEST_BODY)
+        def one(body):
+            if not isinstance(body.get("model"), str):
+                body["model"] = name
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            t = time.perf_counter()
+            try:
+                status = httpx.post(srv.url + path, json=body, timeout=120).status_code
+                healthy = httpx.get(srv.url + "/health", timeout=30).status_code == 200
+            except Exception as e:        # noqa: BLE001 - counted: there must be none
+                counts[f"failed {type(e).__name__}"] += 1
+                return
+            counts["2xx" if status < 300 else "4xx" if status < 500 else "failed 5xx"] += 1
+            if not healthy:
+                counts["failed health"] += 1
+            dt = time.perf_counter() - t
+            if dt > slowest[0]:
+                slowest[:] = [dt, repr(body)[:120]]
+
+        one()
+    return {"strategy": "request_body", "examples": sum(v for k, v in counts.items() if k != "failed health"),
+            **counts, "slowest_s": slowest[0], "slowest": slowest[1]}
 
 
 def fork_cost(rt, n: int = 12) -> dict:
@@ -94,14 +134,17 @@ def main() -> None:
             run_strategy(rt, "regex", REGEX, "grammar", a.examples),
             run_strategy(rt, "lark", LARK, "grammar", a.examples)]
     cost = fork_cost(rt)
+    rows.append(run_bodies(rt, a.model, a.examples))            # last: the server closes the runtime when it stops
     result = {"model": a.model, "rows": rows, "fork_cost": cost}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'strategy':12s} {'cases':>6s} {'compiled':>9s} {'refused':>8s} {'other':>6s} {'slowest s':>10s}")
+    print(f"{'strategy':12s} {'cases':>6s} {'compiled':>9s} {'refused':>8s} {'other':>6s} {'slowest s':>10s}"
+          "   (request bodies: compiled = 2xx, refused = 4xx, other = 5xx or /health down)")
     for r in rows:
         other = sum(v for k, v in r.items() if k.startswith("failed"))
-        print(f"{r['strategy']:12s} {r['examples']:6d} {r.get('compiled', 0):9d} {r.get('refused', 0):8d} "
-              f"{other:6d} {r['slowest_s']:10.2f}")
+        ok, no = (r.get("2xx", 0), r.get("4xx", 0)) if r["strategy"] == "request_body" else \
+            (r.get("compiled", 0), r.get("refused", 0))
+        print(f"{r['strategy']:12s} {r['examples']:6d} {ok:9d} {no:8d} {other:6d} {r['slowest_s']:10.2f}")
     print(f"a new grammar's sandboxed check: {cost['first_check_ms']:.1f} ms (in process {cost['in_process_ms']:.1f} ms,"
           f" remembered {cost['remembered_us']:.0f} us), median of {cost['n']}")
     print(f"wrote {a.out}")
