@@ -216,3 +216,20 @@ def test_numpys_no_space_message_counts_as_a_full_disk(tmp_path):
     with pytest.raises(OSError, match="something else"):          # other errno-less errors stay the writer's
         with storage_errors(tmp_path / "out.gguf", space_only=True):
             raise OSError("something else")
+
+
+# --- the Quickstart installs every documented feature ----------------------------------------------------
+
+def test_every_documented_install_builds_llama_cpp_with_rpc():
+    """`edgerun worker`, `cluster status` and `--rpc` need llama.cpp's RPC backend: each fresh install (a new
+    venv, then `pip install -e`, which builds llama-cpp-python) a newcomer is told to run carries
+    -DGGML_RPC=on, and CI runs the README's test command verbatim. (Adding an extra to an existing venv
+    does not rebuild llama.cpp.)"""
+    root = Path(__file__).parent.parent
+    installs = [(name, line) for name in ("README.md", "CONTRIBUTING.md")
+                for line in (root / name).read_text().splitlines() if "-m venv" in line and "pip install -e" in line]
+    assert len(installs) >= 3, installs
+    for name, line in installs:
+        assert 'CMAKE_ARGS="-DGGML_RPC=on' in line.split("pip install -e")[0], (name, line)
+    ci_line = (root / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert "pip install -e '.[test]'" in ci_line and ci_line in (root / "README.md").read_text()
