@@ -233,3 +233,31 @@ def test_every_documented_install_builds_llama_cpp_with_rpc():
         assert 'CMAKE_ARGS="-DGGML_RPC=on' in line.split("pip install -e")[0], (name, line)
     ci_line = (root / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert "pip install -e '.[test]'" in ci_line and ci_line in (root / "README.md").read_text()
+
+
+# --- a hub repository's config.json is network input too -----------------------------------------------------
+
+@pytest.mark.parametrize("text,says", [("[" * 5000 + "]" * 5000, "more than 512 levels deep"),
+                                       ("[1, 2]", "config.json is a JSON list; expected a JSON object")])
+def test_a_hub_config_nested_deep_or_not_an_object_is_one_line(tmp_path, monkeypatch, text, says):
+    pytest.importorskip("huggingface_hub")
+    from click.testing import CliRunner
+
+    from edgerun.cli import main
+    from hubstandin import Server, StandIn
+
+    d = tmp_path / "repo"
+    shutil.copytree(FIX / "awq-gemm-llama", d, ignore=shutil.ignore_patterns("dequant.npz"))
+    (d / "config.json").write_text(text)
+    hub_ = StandIn()
+    hub_.add("tiny/bad-config", d)
+    with Server(hub_) as url:
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        r = CliRunner().invoke(main, ["pull", "hf:tiny/bad-config"])
+    assert r.exit_code == 2, (r.output, r.exception)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: hf:tiny/bad-config: config.json is ") and says in last, last
