@@ -261,3 +261,22 @@ def test_a_hub_config_nested_deep_or_not_an_object_is_one_line(tmp_path, monkeyp
     assert r.exit_code == 2, (r.output, r.exception)
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: hf:tiny/bad-config: config.json is ") and says in last, last
+
+
+# --- a tool's parameters are a schema from the network too ------------------------------------------------
+
+@pytest.mark.parametrize("params,says", [
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}, "repeats up to 1000000"),
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 2**31}}}, "maxLength is"),
+    ({"type": "object", "properties": {"a": json.loads(deep_text("items", 150))}}, "levels deep"),
+], ids=["repeat", "maxLength", "depth"])
+def test_a_tools_parameters_get_the_schema_limits(server, tiny_llama, params, says):
+    """D2's repetition bomb and the other schema limits hold for tools' parameters (they used to reach the
+    sandbox: a million-fold repetition in a tool compiled there and was answered 200)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    r = post(server, CHAT, {"model": str(tiny_llama), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                            "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["code"] == "invalid_value" and err["message"].startswith("tools[0].function.parameters: ") \
+        and says in err["message"], err

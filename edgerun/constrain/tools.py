@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 from ..errors import InvalidArgument
 from ..util import jsontext
 from .grammar import JSON_OPTIONS, Grammar, special_token_name
+from .limits import check_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -69,6 +70,10 @@ def parse_tools(tools: Any) -> list[Tool]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise InvalidArgument(f"{where}.function.parameters must be a JSON schema of type 'object', "
                                   f"got {params!r:.60}")
+        try:                    # the limits of a schema from a request (limits.py): depth, size, repetitions
+            check_schema(params)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{where}.function.parameters: {e}") from None
         desc = fn.get("description", "")
         if not isinstance(desc, str):
             raise InvalidArgument(f"{where}.function.description must be a string")
