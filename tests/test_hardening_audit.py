@@ -280,3 +280,45 @@ def test_a_tools_parameters_get_the_schema_limits(server, tiny_llama, params, sa
     err = r.json()["error"]
     assert err["code"] == "invalid_value" and err["message"].startswith("tools[0].function.parameters: ") \
         and says in err["message"], err
+
+
+# --- a client admitted into a flooded queue is served next ------------------------------------------------
+
+def test_a_client_admitted_into_a_flooded_queue_is_served_before_the_flood(tiny_llama):
+    """The flooding client of tests/test_hardening.py (one generation held, the queue full of its requests):
+    another client's request takes the newest flooder's place, and it is also the next to start, not the
+    last (the issue's legitimate client was admitted and then waited behind the whole flood)."""
+    import asyncio
+    import os
+    import threading
+
+    from edgerun.request import Request
+    from edgerun.serve.scheduler import Job
+    from edgerun.serve.settings import ServerConfig
+    from server_harness import InProcessServer, wait_until
+    from test_hardening import _hold_and_queue, _loader
+
+    holder: dict = {}
+    with InProcessServer(ServerConfig(model=str(tiny_llama), queue=3), _loader(tiny_llama, holder)) as srv:
+        wait_until(lambda: srv.state.scheduler.ready.is_set(), what="ready")
+        wait_until(lambda: srv.state.loop is not None, what="loop")
+        rt, sch = holder["rt"], srv.state.scheduler
+        flood: list = []
+        _hold_and_queue(srv, rt, 1, 3, ("uid", 1234), flood)
+        assert rt.entered.acquire(timeout=30)
+        wait_until(lambda: sch.depth == 3, what="queue full")
+        out: dict = {}
+
+        def ask():
+            out["r"] = httpx.post(srv.url + "/v1/completions", json={"model": str(tiny_llama), "prompt": "y",
+                                                                      "max_tokens": 1}, timeout=60)
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        wait_until(lambda: any(j.client == ("uid", os.getuid()) for j in list(sch._waiting)), what="admitted")
+        rt.gate.set()
+        t.join(60)
+        assert out["r"].status_code == 200, out["r"].text
+        wait_until(lambda: len(rt.started) >= 4 and not sch._running and not sch._waiting, what="flood done")
+        prompt = {tuple(rt.prepare(Request(prompt=p, max_tokens=1)).prompt_tokens): p for p in ("p0", "p1", "p2", "y")}
+        order = [prompt.get(tuple(s), "?") for s in rt.started]
+        assert order == ["p0", "y", "p1", "p2"], order
