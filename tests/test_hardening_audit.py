@@ -322,3 +322,40 @@ def test_a_client_admitted_into_a_flooded_queue_is_served_before_the_flood(tiny_
         prompt = {tuple(rt.prepare(Request(prompt=p, max_tokens=1)).prompt_tokens): p for p in ("p0", "p1", "p2", "y")}
         order = [prompt.get(tuple(s), "?") for s in rt.started]
         assert order == ["p0", "y", "p1", "p2"], order
+
+
+# --- real tool definitions: pydantic-style $defs --------------------------------------------------------------
+
+ITEM_TOOL = {"type": "function", "function": {"name": "add_items", "parameters": {
+    "$defs": {"Item": {"type": "object", "properties": {"name": {"type": "string", "enum": ["a", "b"]},
+                                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+                       "required": ["name", "qty"], "additionalProperties": False}},
+    "type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"},
+                                               "minItems": 1, "maxItems": 1}},
+    "required": ["items"]}}}
+OTHER_TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
+    "definitions": {"Item": {"type": "string", "enum": ["x", "y"]}},
+    "type": "object", "properties": {"it": {"$ref": "#/definitions/Item"}}, "required": ["it"]}}}
+
+
+def test_tools_whose_parameters_use_defs_compile_and_generate(tiny_llama):
+    """Generous enough for real tools: pydantic writes a tool's parameters with `$defs` and `$ref`s to them
+    (two tools may both name a definition Item). They used to be refused: nested under `arguments` in the
+    call grammar, "#/$defs/Item" pointed nowhere."""
+    from edgerun.runtime import load
+
+    rt = load(str(tiny_llama), draft=None, profile="generic-x86_64-cpu", n_ctx=2048, n_threads=1)
+    try:
+        for choice in ("required", {"type": "function", "function": {"name": "add_items"}}):
+            c = rt.chat([{"role": "user", "content": "add"}], tools=[ITEM_TOOL, OTHER_TOOL], tool_choice=choice,
+                        parallel_tool_calls=False, max_tokens=300, temperature=0)
+            assert c.finish_reason == "tool_calls" and len(c.tool_calls) == 1, (c.finish_reason, c.text)
+            assert choice == "required" or c.tool_calls[0]["function"]["name"] == "add_items"
+            for call in c.tool_calls:
+                args = json.loads(call["function"]["arguments"])
+                if call["function"]["name"] == "add_items":
+                    assert args["items"][0]["name"] in ("a", "b") and 1 <= args["items"][0]["qty"] <= 9, args
+                else:
+                    assert args["it"] in ("x", "y"), args
+    finally:
+        rt.close()

@@ -109,12 +109,47 @@ def parse_tool_choice(choice: Any, tools: Sequence[Tool]) -> ToolChoice:
 
 def call_schema(tools: Sequence[Tool]) -> dict:
     """{"name": one of the tools, "arguments": its parameters}, name first, on one line. Arguments hold
-    the declared parameters only, unless a tool's schema sets additionalProperties itself."""
-    options = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                 "arguments": {"additionalProperties": False, **t.parameters}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    the declared parameters only, unless a tool's schema sets additionalProperties itself. Each tool's
+    `$defs` (or `definitions`) move to the root, renamed t<i>_<name>, and its `$ref`s follow them:
+    nested under `arguments`, "#/$defs/Item" would point nowhere (pydantic writes tools that way)."""
+    defs: dict = {}
+    options = []
+    for i, t in enumerate(tools):
+        params = _hoist_defs(t.parameters, f"t{i}_", defs)
+        options.append({"type": "object", "properties": {"name": {"const": t.name},
+                                                         "arguments": {"additionalProperties": False, **params}},
+                        "required": ["name", "arguments"], "additionalProperties": False})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return {**schema, **({"$defs": defs} if defs else {}), "x-guidance": JSON_OPTIONS}
+
+
+_DEFS = ("$defs", "definitions")
+
+
+def _hoist_defs(params: dict, prefix: str, defs: dict) -> dict:
+    """`params` without its root `$defs`/`definitions`, which go into `defs` as prefix + name, with every
+    local `$ref` to them rewritten (params passed limits.check_schema: nested at most 128 schemas deep)."""
+    if not any(isinstance(params.get(k), dict) for k in _DEFS):
+        return params
+
+    def ref(r: str) -> str:
+        for k in _DEFS:
+            head = f"#/{k}/"
+            if r.startswith(head):
+                return f"#/$defs/{prefix}{r[len(head):]}"
+        return r
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    for k in _DEFS:
+        if isinstance(params.get(k), dict):
+            defs.update({prefix + name: walk(d) for name, d in params[k].items()})
+    return walk({k: v for k, v in params.items() if k not in _DEFS})
 
 
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, *, parallel: bool = True,
