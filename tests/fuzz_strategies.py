@@ -118,18 +118,29 @@ _FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
            "min_p", "stop", "stream", "stream_options", "seed", "n", "response_format", "json_schema", "tools",
            "tool_choice", "parallel_tool_calls", "user", "logprobs", "logit_bias", "repeat_penalty", "gamma"]
 
+# JSON nested deep and sent as *text*, where a field takes a JSON string (a schema, a tool call's arguments):
+# it reaches a JSON parser of its own, past the body's nesting limit
+DEEP_JSON_TEXT = st.builds(lambda n, kind: ("[" * n + "]" * n) if kind == "list" else
+                           ('{"items": ' * n + "{}" + "}" * n) if kind == "items" else
+                           ('{"anyOf": [' * n + "{}" + "]}" * n), st.integers(1, 20_000),
+                           st.sampled_from(["list", "items", "anyOf"]))
+
+_TOOL_CALL = st.builds(lambda a: [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": a}}],
+                       st.one_of(DEEP_JSON_TEXT, st.text(max_size=20)))
+
 _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
                                   "content": st.one_of(st.text(max_size=30), JSON_VALUE)},
-                                 optional={"name": st.text(max_size=5), "tool_calls": JSON_VALUE,
+                                 optional={"name": st.text(max_size=5), "tool_calls": st.one_of(_TOOL_CALL, JSON_VALUE),
                                            "tool_call_id": st.text(max_size=5)})
 
 _FIELD_VALUES = {
     "messages": st.one_of(st.lists(_MESSAGE, max_size=4), JSON_VALUE),
     "max_tokens": st.one_of(st.integers(-5, 10), JSON_VALUE),
     "response_format": st.one_of(
-        st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, ANY_SCHEMA),
+        st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+                  st.one_of(ANY_SCHEMA, DEEP_JSON_TEXT)),
         st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "nope"}]), JSON_VALUE),
-    "json_schema": st.one_of(SCHEMA, JSON_VALUE),
+    "json_schema": st.one_of(SCHEMA, DEEP_JSON_TEXT, JSON_VALUE),
     "tools": st.one_of(st.lists(st.builds(lambda s: {"type": "function", "function": {"name": "f", "parameters": s}},
                                           SCHEMA), max_size=2), JSON_VALUE),
     "stream": st.booleans(),
@@ -143,6 +154,34 @@ def _body(fields: dict) -> dict:
     return fields
 
 
-REQUEST_BODY = st.builds(_body, st.dictionaries(
+RANDOM_BODY = st.builds(_body, st.dictionaries(
     st.sampled_from(_FIELDS), st.deferred(lambda: JSON_VALUE), max_size=6)).flatmap(
     lambda base: st.fixed_dictionaries({k: _FIELD_VALUES.get(k, st.just(v)) for k, v in base.items()}))
+
+
+def _chat(extra: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **extra}
+
+
+def _history(args: str) -> dict:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}
+    return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 3,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+
+
+# a well-formed request with one hostile part, so that the part reaches the code that parses it (a random
+# body is mostly refused by its first malformed field)
+HOSTILE_BODY = st.one_of(
+    st.builds(lambda s, stream: _chat({"stream": stream, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": s}}}),
+              st.one_of(ANY_SCHEMA, DEEP_JSON_TEXT), st.booleans()),
+    st.builds(lambda s: {"prompt": "x", "max_tokens": 3, "json_schema": s}, st.one_of(SCHEMA, DEEP_JSON_TEXT)),
+    st.builds(lambda s: _chat({"tools": [{"type": "function", "function": {"name": "f", "parameters": s}}],
+                               "tool_choice": "required"}), SCHEMA),
+    st.builds(_history, st.one_of(DEEP_JSON_TEXT, st.text(max_size=20))),
+    st.builds(lambda p: _chat({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": p}}}}), REGEX),
+)
+
+REQUEST_BODY = st.one_of(RANDOM_BODY, HOSTILE_BODY)

@@ -10,6 +10,7 @@ import click
 from ..constrain.tools import ToolCallStream, parse_tools
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from ..request import Structure
+from ..util import jsontext
 from ..speculative.lazy import describe as describe_drafter
 from .options import (build_request, load_runtime, model_options, read_arg_file, require_gpu_option, sampling_kw,
                       sampling_options, structure_kw, with_structure_options)
@@ -74,7 +75,7 @@ def _load_tools(value: str | None) -> list:
         return []
     text = read_arg_file(value, "--tools", json_or_file=True)
     try:
-        tools = json.loads(text)
+        tools = jsontext.loads(text, "--tools")
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"--tools: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     Structure.parse(tools=tools)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendError, GrammarError, InvalidArgument
+from ..util import jsontext
 from . import sandbox
 from .limits import LIMITS, check_lark, check_regex, check_schema, check_text
 
@@ -61,7 +62,7 @@ class Grammar:
     def json_schema(schema: Any) -> "Grammar":
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = jsontext.loads(schema, "the JSON schema")
             except json.JSONDecodeError as e:
                 raise InvalidArgument(f"the JSON schema is not valid JSON: {e.msg} at line {e.lineno} "
                                       f"column {e.colno}") from None

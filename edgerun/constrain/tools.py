@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from ..errors import InvalidArgument
+from ..util import jsontext
 from .grammar import JSON_OPTIONS, Grammar, special_token_name
+from .limits import check_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -68,6 +70,10 @@ def parse_tools(tools: Any) -> list[Tool]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise InvalidArgument(f"{where}.function.parameters must be a JSON schema of type 'object', "
                                   f"got {params!r:.60}")
+        try:                    # the limits of a schema from a request (limits.py): depth, size, repetitions
+            check_schema(params)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{where}.function.parameters: {e}") from None
         desc = fn.get("description", "")
         if not isinstance(desc, str):
             raise InvalidArgument(f"{where}.function.description must be a string")
@@ -103,12 +109,47 @@ def parse_tool_choice(choice: Any, tools: Sequence[Tool]) -> ToolChoice:
 
 def call_schema(tools: Sequence[Tool]) -> dict:
     """{"name": one of the tools, "arguments": its parameters}, name first, on one line. Arguments hold
-    the declared parameters only, unless a tool's schema sets additionalProperties itself."""
-    options = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                 "arguments": {"additionalProperties": False, **t.parameters}},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    the declared parameters only, unless a tool's schema sets additionalProperties itself. Each tool's
+    `$defs` (or `definitions`) move to the root, renamed t<i>_<name>, and its `$ref`s follow them:
+    nested under `arguments`, "#/$defs/Item" would point nowhere (pydantic writes tools that way)."""
+    defs: dict = {}
+    options = []
+    for i, t in enumerate(tools):
+        params = _hoist_defs(t.parameters, f"t{i}_", defs)
+        options.append({"type": "object", "properties": {"name": {"const": t.name},
+                                                         "arguments": {"additionalProperties": False, **params}},
+                        "required": ["name", "arguments"], "additionalProperties": False})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return {**schema, **({"$defs": defs} if defs else {}), "x-guidance": JSON_OPTIONS}
+
+
+_DEFS = ("$defs", "definitions")
+
+
+def _hoist_defs(params: dict, prefix: str, defs: dict) -> dict:
+    """`params` without its root `$defs`/`definitions`, which go into `defs` as prefix + name, with every
+    local `$ref` to them rewritten (params passed limits.check_schema: nested at most 128 schemas deep)."""
+    if not any(isinstance(params.get(k), dict) for k in _DEFS):
+        return params
+
+    def ref(r: str) -> str:
+        for k in _DEFS:
+            head = f"#/{k}/"
+            if r.startswith(head):
+                return f"#/$defs/{prefix}{r[len(head):]}"
+        return r
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    for k in _DEFS:
+        if isinstance(params.get(k), dict):
+            defs.update({prefix + name: walk(d) for name, d in params[k].items()})
+    return walk({k: v for k, v in params.items() if k not in _DEFS})
 
 
 def tool_grammar(tools: Sequence[Tool], choice: ToolChoice, *, parallel: bool = True,
@@ -201,7 +242,7 @@ def _normal_call(call: Any, i: int, j: int) -> dict:
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = jsontext.loads(args, f"{where}.function.arguments") if args.strip() else {}
         except json.JSONDecodeError as e:
             raise InvalidArgument(f"{where}.function.arguments is not valid JSON: {e.msg}") from None
     return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -236,8 +277,8 @@ def parse_tool_calls(text: str, tools: Sequence[Tool]) -> tuple[str | None, list
     for m in re.finditer(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", text, re.DOTALL):
         body = m.group(1).strip()
         try:
-            call = _as_call(json.loads(_FENCED.sub(r"\1", body)), names)
-        except json.JSONDecodeError:
+            call = _as_call(jsontext.loads(_FENCED.sub(r"\1", body), "a tool call"), names)
+        except (json.JSONDecodeError, InvalidArgument):     # not JSON, or nested past the limit: text
             call = None
         if call is None:
             if not m.group(0).endswith(CLOSE):   # a call cut short at the end of the answer: dropped
@@ -254,8 +295,8 @@ def parse_tool_calls(text: str, tools: Sequence[Tool]) -> tuple[str | None, list
         candidate = m.group(1) if m else content
         if candidate.startswith("{"):
             try:
-                call = _as_call(json.loads(candidate), names)
-            except json.JSONDecodeError:
+                call = _as_call(jsontext.loads(candidate, "a tool call"), names)
+            except (json.JSONDecodeError, InvalidArgument):
                 call = None
             if call is not None:
                 return None, [call]

@@ -68,6 +68,16 @@ def _group_size(value: Any, where: Path) -> int:
     return value
 
 
+def _names(qc: Mapping[str, Any], key: str, where: Path) -> tuple[str, ...]:
+    """A list of module names (modules_to_not_convert, ignore, targets); absent or null: none."""
+    value = qc.get(key)
+    if value is None:
+        return ()
+    if not (isinstance(value, list) and all(isinstance(x, str) for x in value)):
+        raise QuantizationError(f"{where}: {key} is {value!r:.40}; expected a list of module names")
+    return tuple(value)
+
+
 def read_scheme(config: Mapping[str, Any], where: Path) -> Scheme:
     """The Scheme of a config.json dict; QuantizationError for anything not importable exactly."""
     qc = config.get("quantization_config")
@@ -89,7 +99,7 @@ def read_scheme(config: Mapping[str, Any], where: Path) -> Scheme:
         if sym:
             raise QuantizationError(f"{where}: AWQ without zero points (zero_point false) is not supported; "
                                     "AutoAWQ writes zero_point true")
-        skip = tuple(qc.get("modules_to_not_convert") or ())
+        skip = _names(qc, "modules_to_not_convert", where)
         return Scheme("awq", version, (Group(("Linear",), gs, False),), ignore=("lm_head", *skip), raw=dict(qc))
     if method == "gptq":
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
@@ -99,7 +109,7 @@ def read_scheme(config: Mapping[str, Any], where: Path) -> Scheme:
         _bits(qc.get("bits"), where)
         gs = _group_size(qc.get("group_size"), where)
         sym = bool(qc.get("sym", True))
-        skip = tuple(qc.get("modules_to_not_convert") or ())
+        skip = _names(qc, "modules_to_not_convert", where)
         return Scheme("gptq", fmt, (Group(("Linear",), gs, sym),), ignore=("lm_head", *skip),
                       desc_act=bool(qc.get("desc_act", False)), raw=dict(qc))
     if method == "compressed-tensors":
@@ -108,8 +118,13 @@ def read_scheme(config: Mapping[str, Any], where: Path) -> Scheme:
             raise QuantizationError(f"{where}: compressed-tensors format {fmt!r} is not supported; expected "
                                     "'pack-quantized' (INT4 weights, W4A16)")
         groups = []
-        for gname, gcfg in (qc.get("config_groups") or {}).items():
-            w = (gcfg or {}).get("weights") or {}
+        config_groups = qc.get("config_groups") or {}
+        if not isinstance(config_groups, dict) or not all(isinstance(g, dict) for g in config_groups.values()):
+            raise QuantizationError(f"{where}: config_groups is {config_groups!r:.40}; expected an object of groups")
+        for gname, gcfg in config_groups.items():
+            w = gcfg.get("weights") or {}
+            if not isinstance(w, dict):
+                raise QuantizationError(f"{where}: config group {gname} has weights {w!r:.40}; expected an object")
             if gcfg.get("input_activations"):
                 raise QuantizationError(f"{where}: config group {gname} quantizes activations too; "
                                         "expected weight-only quantization (W4A16)")
@@ -128,9 +143,9 @@ def read_scheme(config: Mapping[str, Any], where: Path) -> Scheme:
             if w.get("actorder") not in (None, False, "static"):
                 raise QuantizationError(f"{where}: config group {gname} has actorder {w.get('actorder')!r}; "
                                         "expected no activation reordering (or 'static')")
-            groups.append(Group(tuple(gcfg.get("targets") or ()), gs, bool(w.get("symmetric", True))))
+            groups.append(Group(_names(gcfg, "targets", where), gs, bool(w.get("symmetric", True))))
         if not groups:
             raise QuantizationError(f"{where}: compressed-tensors quantization_config has no config_groups")
-        return Scheme("compressed-tensors", fmt, tuple(groups), ignore=tuple(qc.get("ignore") or ()), raw=dict(qc))
+        return Scheme("compressed-tensors", fmt, tuple(groups), ignore=_names(qc, "ignore", where), raw=dict(qc))
     raise QuantizationError(f"{where}: quant_method {method!r} is not supported; expected 'awq', 'gptq' or "
                             "'compressed-tensors'")

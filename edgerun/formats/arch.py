@@ -7,14 +7,15 @@ GGUF names: `[out, in]` linear matrices, llama Q/K rows permuted for llama.cpp's
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import QuantizationError
+from ..errors import InvalidArgument, QuantizationError
+from ..util import jsontext
 
 
 @dataclass(frozen=True)
@@ -190,8 +191,20 @@ def config_from_gguf_fields(arch: str, get, n_vocab: int, tied: bool) -> ModelCo
     )
 
 
+_GGUF_U32 = 2**32 - 1
+
+
+def _positive_f32(v: Any) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    with np.errstate(over="ignore"):
+        f = float(np.float32(float(v))) if abs(v) < 1e300 else float("inf")
+    return math.isfinite(f) and f > 0
+
+
 def config_from_hf(config: Mapping[str, Any], path: Path | str = "config.json") -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict; missing keys are a QuantizationError."""
+    """ModelConfig from a Hugging Face config.json dict; missing keys are a QuantizationError, and so
+    is any value of the wrong kind (a dimension that is not a positive integer or does not fit GGUF)."""
     a = arch_for_hf(config)
     missing = [k for k, _ in HF_CONFIG_KEYS if k not in config]
     if missing:
@@ -206,6 +219,15 @@ def config_from_hf(config: Mapping[str, Any], path: Path | str = "config.json") 
         v = config.get(key)
         if key in config and v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             raise QuantizationError(f"{path}: {key} must be a positive integer, got {v!r:.40}")
+        if isinstance(v, int) and v > _GGUF_U32:             # GGUF stores these as uint32
+            raise QuantizationError(f"{path}: {key} is {v}; at most {_GGUF_U32} fits a GGUF file")
+    for key in ("rms_norm_eps", "rope_theta"):               # GGUF float32, and both must be > 0
+        v = config.get(key)
+        if (key == "rms_norm_eps" or v is not None) and not _positive_f32(v):
+            raise QuantizationError(f"{path}: {key} must be a positive finite number, got {v!r:.40}")
+    if not isinstance(config.get("tie_word_embeddings", False), bool):
+        raise QuantizationError(f"{path}: tie_word_embeddings must be true or false, "
+                                f"got {config['tie_word_embeddings']!r:.40}")
     n_head = int(vals["n_head"])
     n_embd = int(vals["n_embd"])
     return ModelConfig(
@@ -218,7 +240,7 @@ def config_from_hf(config: Mapping[str, Any], path: Path | str = "config.json") 
         n_head_kv=int(config.get("num_key_value_heads") or n_head),
         head_dim=int(config.get("head_dim") or n_embd // n_head),
         rms_eps=float(np.float32(vals["rms_eps"])),            # as GGUF stores them (f32)
-        rope_base=float(np.float32(config.get("rope_theta", a.default_rope_base))),
+        rope_base=float(np.float32(config.get("rope_theta") or a.default_rope_base)),
         n_ctx_train=int(config.get("max_position_embeddings", 4096)),
         tied=bool(config.get("tie_word_embeddings", False)),
     )
@@ -227,12 +249,25 @@ def config_from_hf(config: Mapping[str, Any], path: Path | str = "config.json") 
 def read_hf_config(directory: Path) -> dict:
     p = Path(directory) / "config.json"
     try:
-        return json.loads(p.read_text())
+        config = jsontext.loads(p.read_text(encoding="utf-8"), str(p))
     except FileNotFoundError:
         raise QuantizationError(f"{directory}: no config.json; expected a Hugging Face checkpoint "
                                 "directory (config.json + *.safetensors)") from None
-    except json.JSONDecodeError as e:
+    except UnicodeDecodeError:
+        raise QuantizationError(f"{p}: not UTF-8 text; expected a JSON object") from None
+    except InvalidArgument as e:
+        raise QuantizationError(str(e)) from None
+    except ValueError as e:
         raise QuantizationError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise QuantizationError(f"{p}: a JSON {type(config).__name__}; expected a JSON object")
+    for key in ("architectures", "model_type"):
+        v = config.get(key)
+        if v is not None and not (isinstance(v, str) if key == "model_type" else
+                                  isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise QuantizationError(f"{p}: {key} is {v!r:.40}; expected "
+                                    f"{'a string' if key == 'model_type' else 'a list of class names'}")
+    return config
 
 
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

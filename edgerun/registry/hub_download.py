@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import os
 import re
@@ -18,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..errors import ChecksumError, HubError, ModelNotFound
+from ..errors import ChecksumError, HubError, InvalidArgument, ModelNotFound
+from ..util import jsontext
 from ..util.atomic import fsync_dir, write_json
 from .fetch import Progress, pull_lock
 from .hub import (HubName, Pick, describe_cached, hash_file, is_model_gguf, load_pick, pick_gguf, pick_path,
@@ -157,10 +157,12 @@ def plan(name: HubName, *, accept_float: bool = False, progress: Progress | None
     repo_dir(name.repo_id).mkdir(parents=True, exist_ok=True)
     with pull_lock(repo_dir(name.repo_id) / "repo"):
         config_dir = _fetch(name, commit, by_path["config.json"], progress)
-    try:
-        config = json.loads((config_dir / "config.json").read_text())
-    except ValueError as e:
+    try:        # from the network: nested too deep or not UTF-8 is refused as not JSON, and so is a non-object
+        config = jsontext.loads((config_dir / "config.json").read_text(encoding="utf-8"), "config.json")
+    except (ValueError, InvalidArgument) as e:
         raise HubError(f"{name}: config.json is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HubError(f"{name}: config.json is a JSON {type(config).__name__}; expected a JSON object")
     picked = tuple(f for f in files if "/" not in f.path and _CHECKPOINT_FILES.match(f.path))
     if isinstance(config.get("quantization_config"), dict):
         return Plan(name, commit, "int4", picked, "config.json", config)

@@ -157,7 +157,7 @@ def parse_body(raw: bytes) -> Any:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if data is _TOO_DEEP or (raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _deeper_than(data, MAX_NESTING)):
         raise APIError(400, f"request body nests arrays and objects more than {MAX_NESTING} levels deep; that "
-                            "is the limit", code="invalid_json")
+                            "is the limit", code="invalid_value")     # valid JSON, over a limit
     if "\\u" in text:        # only an escape can write a lone surrogate in UTF-8 JSON
         try:
             json.dumps(data, ensure_ascii=False).encode("utf-8")

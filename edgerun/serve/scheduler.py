@@ -150,6 +150,18 @@ class Scheduler:
             return None
         return next((j for j in reversed(self._waiting) if j.client == heavy), None)
 
+    def _next_job(self) -> Job:
+        """The oldest waiting job of the client holding the fewest requests, running and waiting (under
+        self._cond): a client admitted into a queue another client floods is served next, not after the
+        flood. One client alone, or clients holding as many each, are served in arrival order as before."""
+        if len(self._waiting) > 1:
+            held = Counter(j.client for j in (*self._running, *self._waiting))
+            best = min(self._waiting, key=lambda j: held[j.client])         # the first (oldest) of the least
+            if held[best.client] < held[self._waiting[0].client]:
+                self._waiting.remove(best)
+                return best
+        return self._waiting.popleft()
+
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: a waiting one leaves the queue at once, a running one stops after its current step."""
         job.request_stop(reason)
@@ -265,7 +277,7 @@ class Scheduler:
                         if handed is None:
                             if not self._waiting:
                                 continue            # another slot took it
-                            job = self._waiting.popleft()
+                            job = self._next_job()
                             self._running.append(job)
                         self._idle.discard(slot)
                     if group is not None:           # the running sequences' next step waits for its prompt

@@ -138,8 +138,11 @@ def storage_errors(dest: Path, *, space_only: bool = False) -> Iterator[None]:
             free = shutil.disk_usage(where).free
         except OSError:
             free = None
-        # numpy's tofile reports a short write as an OSError without an errno ("N requested and M written")
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and free is not None and free < 2**20)
+        # numpy's tofile reports a full disk as an OSError without an errno: "N requested and M written" after a
+        # short write, or "Not enough free space to write N bytes" when it could not reserve N bytes at once
+        # (then megabytes may still be free: a 30 MB tensor on a disk with 2 MB left)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and (
+            "not enough free space" in str(e).lower() or (free is not None and free < 2**20)))
         if space_only and not full:
             raise
         if full:
