@@ -15,10 +15,12 @@ error. Writes WORK/result.json (and a copy under bench/results/ in the repo) and
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
 import secrets
+import signal
 import shutil
 import socket
 import subprocess
@@ -32,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--window-size=1280,800")
-PROMPTS = {"ollama": "Name three colours of the rainbow.", "openai": "What is the capital of France?"}
+# the same prompt through both connections: with greedy decoding, the two answers should be the same text
+PROMPTS = {"ollama": "Name three colours of the rainbow.", "openai": "Name three colours of the rainbow."}
 
 
 def free_port() -> int:
@@ -110,8 +113,9 @@ def chat_in_browser(driver, ui: str, model: str, prompt: str, shot: Path, timeou
     box.send_keys(Keys.ENTER)
     text, stable_since, t0 = "", time.monotonic(), time.monotonic()
     while time.monotonic() - t0 < timeout:
-        found = driver.find_elements(By.ID, "response-content-container")
-        now = found[-1].text.strip() if found else ""
+        now = (driver.execute_script(    # read in one go: the page re-renders the answer as it streams
+            "const e = document.querySelectorAll('#response-content-container');"
+            "return e.length ? e[e.length - 1].innerText : '';") or "").strip()
         if now != text:
             text, stable_since = now, time.monotonic()
         elif text and time.monotonic() - stable_since > 6:
@@ -138,9 +142,13 @@ def main() -> int:
                     help="keep Open WebUI's built-in tools on (its default; needs --ctx 8192)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per wait")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so that `finally` stops what this started
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     work = args.work.resolve()
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    for old in ("data", "chromium-profile"):          # each run is Open WebUI's first start, in a fresh browser
+        shutil.rmtree(work / old, ignore_errors=True)
     key = secrets.token_urlsafe(16)
     er_port, ui_port = free_port(), free_port()
     er = f"http://127.0.0.1:{er_port}"
@@ -154,8 +162,8 @@ def main() -> int:
     er_log = open(logs / "edgerun.log", "w")
     procs.append(subprocess.Popen(
         ["nice", "-n", "19", args.edgerun_python, "-m", "edgerun", "serve", "--model", args.model,
-         "--port", str(er_port), "--threads", args.threads, *(("--ctx", args.ctx) if args.ctx else ())], cwd=ROOT, env=env, stdout=er_log,
-        stderr=subprocess.STDOUT))
+         "--port", str(er_port), "--threads", args.threads, *(("--ctx", args.ctx) if args.ctx else ())],
+        cwd=ROOT, env=env, stdout=er_log, stderr=subprocess.STDOUT))
     # Open WebUI's offline settings: no model downloads (embedding, reranking, whisper), no version check,
     # no retrieval (so no embedding model is needed at all), no login (one local user), data under WORK.
     owui_env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "OLLAMA_"))}
@@ -168,8 +176,10 @@ def main() -> int:
         ANONYMIZED_TELEMETRY="false", ENABLE_PERSISTENT_CONFIG="false",
         ENABLE_OLLAMA_API="true", OLLAMA_BASE_URL=er, OLLAMA_API_CONFIGS=json.dumps({"0": {"key": key}}),
         ENABLE_OPENAI_API="true", OPENAI_API_BASE_URL=f"{er}/v1", OPENAI_API_KEY=key)
-    # greedy decoding (Open WebUI sends it as options.temperature / temperature): the same answers each run
-    owui_env["DEFAULT_MODEL_PARAMS"] = json.dumps({"temperature": 0})
+    # greedy decoding, at most 256 tokens (Open WebUI sends them as options.temperature and options.num_predict
+    # to /api/chat, temperature and max_tokens to /v1/chat/completions): the same answers each run, and a
+    # small model's greedy answer that repeats itself stops
+    owui_env["DEFAULT_MODEL_PARAMS"] = json.dumps({"temperature": 0, "max_tokens": 256})
     if not args.builtin_tools:
         # Open WebUI's built-in tools (memory, notes, chats, knowledge, ... as native tool calls) add about
         # 7000 tokens of tool schemas to every chat from its page: more than a board's context holds
@@ -221,10 +231,12 @@ def main() -> int:
 
     calls = diff(before, after)
     errors = {k: v for k, v in calls.items() if not k.endswith(" 200")}
-    chats = {c: sum(v for k, v in calls.items() if k.startswith(c + " ")) for c in ("/api/chat", "/v1/chat/completions")}
-    version = subprocess.run([sys.executable, "-c", "import importlib.metadata as m;print(m.version('open-webui'))"],
-                             capture_output=True, text=True).stdout.strip()
-    result = {"open_webui": version, "model": args.model, "ctx": args.ctx, "builtin_tools": args.builtin_tools, "open_webui_start_s": round(owui_start_s, 1),
+    chats = {c: sum(v for k, v in calls.items() if k.startswith(c + " "))
+             for c in ("/api/chat", "/v1/chat/completions")}
+    version = importlib.metadata.version("open-webui")
+    same = answers["ollama"]["answer"] == answers["openai"]["answer"]
+    result = {"open_webui": version, "same_answer_through_both": same, "model": args.model, "ctx": args.ctx, "builtin_tools": args.builtin_tools,
+              "open_webui_start_s": round(owui_start_s, 1),
               "chats": answers, "edgerun_requests": calls, "errors": errors}
     (work / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     out = ROOT / "bench" / "results"
@@ -235,6 +247,7 @@ def main() -> int:
     for conn, a in answers.items():
         print(f"  {conn:7s} {a['model']:30s} {a['seconds']:6.1f} s  {a['answer'][:60]!r}")
         print(f"          edgerun answered: {', '.join(f'{k} x{v}' for k, v in a['edgerun_requests'].items())}")
+    print(f"the two connections' answers are {'the same text' if same else 'different'}")
     print("edgerun_requests_total during the run (endpoint status: count):")
     for k, v in calls.items():
         print(f"  {k:40s} {v:5.0f}")

@@ -2,7 +2,8 @@
 # Open WebUI against edgerun, end to end (docs/clients.md, "Open WebUI"). A fixture script with its own
 # requirements (bench/openwebui/requirements.txt): never run by CI or the tests.
 #
-#   bash bench/openwebui/run.sh [--work DIR] [--python PY] [--edgerun-python PY] [-- drive.py options]
+#   bash bench/openwebui/run.sh [--work DIR] [--python PY] [--edgerun-python PY] [--install-only]
+#                               [-- drive.py options: --builtin-tools, --ctx N, --threads N, --timeout S]
 #
 # --work DIR (default /tmp/edgerun-openwebui): Open WebUI's venv (DIR/venv, created once, several GB),
 #   its data, the logs and result.json; nothing of it goes into the repository.
@@ -18,11 +19,13 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 WORK=/tmp/edgerun-openwebui
 PY=python3
 EPY=""
+INSTALL_ONLY=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --work) WORK="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
     --edgerun-python) EPY="$2"; shift 2 ;;
+    --install-only) INSTALL_ONLY=1; shift ;;
     --) shift; break ;;
     *) echo "error: unknown option $1" >&2; exit 2 ;;
   esac
@@ -49,4 +52,5 @@ if [[ ! -f "$STAMP" ]]; then
   touch "$STAMP"
 fi
 
+[[ $INSTALL_ONLY == 1 ]] && exit 0
 exec "$VENV/bin/python" "$HERE/drive.py" --work "$WORK" --edgerun-python "$EPY" "$@"
