@@ -8,10 +8,9 @@ grammar) -> policy.observe; commit() then appends the accepted drafts and the ta
 `committed[:-1]` between cycles, and the `finally` restores that invariant (_Loop.restore) whatever happens:
 an exception, a stop string, or a consumer that closes the stream.
 
-With a constraint (a grammar), every verified position's logits are masked with the grammar state
-after the tokens before it, for the drafter (while drafting, which advances the constraint over the
-drafts) and for the target alike; the rejected drafts are rolled back out of the constraint with
-the KV cache, so after every cycle it holds exactly the committed tokens.
+With a constraint (a grammar), every verified position's logits are masked with the grammar state after the
+tokens before it, for the drafter (while drafting, which advances the constraint over the drafts) and for the
+target alike; rejected drafts leave the constraint with the KV cache: it holds exactly the committed tokens.
 
 Forced runs (docs/free_drafts.md): where the grammar's mask allows exactly one token after a committed
 token, that token has probability 1 under the masked target: it is committed at once, with no logits and
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 import numpy as np
 
 from .backends.base import Backend, common_prefix
-from .config import SamplingArgs
+from .config import GAMMA_LIMIT, SamplingArgs
 from .constrain.base import Constraint, apply_mask
 from .errors import BackendError, ContextOverflow, InvalidArgument
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
@@ -64,6 +63,7 @@ class Step:
 # Forced runs are on by default. EDGERUN_FORCED_RUNS=0 (or generate(forced_runs=False)) turns them off: an
 # internal switch for benchmarks and tests that compare against the token-by-token path, not a user setting.
 FORCED_RUNS = os.environ.get("EDGERUN_FORCED_RUNS", "1") != "0"
+EARNED_START = 8       # a learning policy's drafts past this length are earned within a generation (_Loop)
 
 
 @dataclass
@@ -294,6 +294,8 @@ class _Loop:
         self.evaluate = target.eval              # _EvalAhead puts its own in
         self.last: np.ndarray | None = None      # the target's logits at the last verified position
         self.n_tail = 1                          # positions before the drafts: pending and a forced run
+        self.earned = EARNED_START               # longest draft this generation may make (_Loop.draft_length)
+        self.lower = getattr(getattr(policy, "tuner", policy), "lower", None) if self.learns else None
 
     def prefill(self) -> None:
         """Reuse the cached prefix (multi-turn chat), evaluate the rest of the prompt without logits."""
@@ -317,6 +319,8 @@ class _Loop:
         t2 = _now()
         gamma = len(draft)
         run = self.rollback(gamma, n_acc, nxt) if n_acc < gamma or self.constraint is not None else []
+        if gamma:
+            self.earned = min(2 * self.earned, GAMMA_LIMIT) if n_acc == gamma else max(EARNED_START, 2 * n_acc)
         if self.learns:
             _observe(self.policy, gamma, n_acc, t1 - t0, t2 - t1, times=self.n_tail == 1)
         self.n_tail = 1 + len(run)
@@ -333,6 +337,9 @@ class _Loop:
         if type(hint) is tuple:       # several kinds of draft on offer (speculative/combined.py): the policy picks
             hint = drafter.use(self.pick(hint) if self.pick is not None else hint[0])
         gamma = min(self.policy.choose(hint, lag), self.limit - len(committed) - 1, room)
+        if gamma > self.earned and self.lower is not None:    # a long draft is earned in the generation (docs/
+            gamma = self.earned                                # free_drafts.md): lowered, not a supply miss
+            self.lower(gamma)
         if gamma > 0 and getattr(drafter, "deferred", False):
             drafter.load()         # a drafter deferred at start-up (speculative/lazy.py): its load is no draft time
         return gamma

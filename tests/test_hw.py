@@ -173,6 +173,9 @@ def test_unsteady_repetitions_are_not_trusted():
     spiky = steady.copy()
     spiky[1, 0] = 9.0                     # one repetition ran while another job held the second core
     assert unsteady(spiky)
+    first = steady.copy()
+    first[0, 1] = 9.0                     # the first evaluation of a batch size (llama.cpp sizes its buffers)
+    assert not unsteady(first) and unsteady(first[:2])      # left out only where two repetitions remain
 
 
 def test_cost_probe_with_lookup_drafter(tiny_target):

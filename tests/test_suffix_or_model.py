@@ -263,3 +263,36 @@ def test_free_classes_may_draft_longer_than_a_models():
         assert g <= 8
         t.observe(g, g, g * 0.35 * 0.03, 0.0)
     assert t.gammas()[9] <= 8
+
+
+def test_long_drafts_are_earned_within_a_generation(pair):
+    """A tuner that would draft 24 from the first cycle is held to 8 until drafts are kept whole, then the cap
+    doubles; after a rejection it falls back. The lowered cycles are no supply misses, and greedy stays plain's."""
+    import edgerun.generate as g
+
+    target, _ = pair
+    prompt = target.tokenizer.tokenize(COPY * 4)
+    long_curve = [1.0] + [1.0 + 0.05 * k for k in range(1, 25)]          # a flat curve: 24 always pays
+    tuner = GammaTuner(_curve(long_curve, 0.03, 0.0), gamma_max=24, n_classes=6, free_classes=6)
+    tuner._learn_times = lambda *a, **kw: None
+    for _ in range(40):                            # taught elsewhere: every draft of a long match accepted
+        for c in range(6):
+            x = tuner.choose(c)
+            tuner.observe(x, x, 0.0, 0.0)
+    assert min(tuner.gammas()) > 8
+    plain, _ = _run(target, prompt, max_tokens=120)
+    sizes = []
+    real_propose = SuffixDrafter.propose
+
+    def spy(self, context, gamma, *a, **kw):
+        sizes.append(gamma)
+        return real_propose(self, context, gamma, *a, **kw)
+
+    SuffixDrafter.propose = spy
+    try:
+        got, st = _run(target, prompt, SuffixDrafter(), tuner, max_tokens=120)
+    finally:
+        SuffixDrafter.propose = real_propose
+    assert got == plain
+    assert sizes[0] <= g.EARNED_START < max(sizes), sizes     # started within the cap, earned longer drafts
+    assert (tuner.supply(5) > 0.9).all()                        # the caps taught no supply misses

@@ -74,8 +74,12 @@ def measure_verify_curve(target, *, n_max: int = N_MAX, reps: int = 3, context: 
 
 def unsteady(times: np.ndarray, spread: float = 1.5) -> bool:
     """Repetitions [reps, n] that disagree by more than `spread` at some n: the machine was contended
-    (a 2-thread llama.cpp whose second core is taken runs 10x slower), so the curve is not cached."""
+    (a 2-thread llama.cpp whose second core is taken runs 10x slower), so the curve is cached as provisional
+    only. With 3 or more repetitions the first is left out of the comparison: it is the first evaluation of most
+    batch sizes (the warm-up runs 1 and n_max only), whose buffers llama.cpp sizes then, slower on any machine."""
     times = np.asarray(times)
+    if times.shape[0] >= 3:
+        times = times[1:]
     return times.shape[0] > 1 and bool((times.max(axis=0) > spread * times.min(axis=0)).any())
 
 
