@@ -296,3 +296,19 @@ def test_long_drafts_are_earned_within_a_generation(pair):
     assert got == plain
     assert sizes[0] <= g.EARNED_START < max(sizes), sizes     # started within the cap, earned longer drafts
     assert (tuner.supply(5) > 0.9).all()                        # the caps taught no supply misses
+
+
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_slots_of_a_batching_context_each_get_their_own_parts(tiny_llama, monkeypatch, tmp_path, gamma):
+    """`--parallel 4` with `--draft auto` and a paired model: each slot's SuffixOrModel holds its own suffix
+    automaton and a model drafter on its own sequence of the drafter's context; four concurrent greedy generations
+    each give the text they give alone."""
+    import edgerun.resolve as resolve
+    from test_batching import PROMPTS, _load, _texts_alone_and_batched
+
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    monkeypatch.setattr(resolve, "auto_draft", lambda model: str(tiny_llama))
+    with _load(tiny_llama, 4, draft="auto", gamma=gamma) as rt:
+        assert isinstance(rt.drafter, SuffixOrModel)
+        alone, batched, group = _texts_alone_and_batched(rt, PROMPTS, max_tokens=24, temperature=0)
+    assert batched == alone
