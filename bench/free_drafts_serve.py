@@ -6,7 +6,8 @@
 Workloads (3 prompts each): (a) JSON extraction to a nested schema, (b) OpenAI tool calls with tool_choice
 "required", (c) code editing: return a 60-80-line Python file with one name changed, (d) answering from a given
 document with quotes, (e) free chat (nothing to copy), (f) a multi-turn chat whose last turn repeats earlier
-content. Greedy and temperature 0.7 (seeded). Streaming requests; per answer: completion tokens, time to the
+content. Greedy and temperature 0.7 (unseeded: a seeded sampled request is decoded plainly by edgerun, for the
+same text from the same seed). Streaming requests; per answer: completion tokens, time to the
 complete answer (prefill included) and decode tok/s (first token to last). Structured answers are validated
 (jsonschema). Greedy answers of edgerun's default are compared with edgerun plain's ('same').
 
@@ -155,7 +156,8 @@ def valid(check: str | None, text: str, calls: list) -> bool | None:
 def ask(url: str, model: str, item: dict, temp: float, seed: int) -> dict:
     """One streamed chat request: tokens, time to the answer, decode rate, text, tool calls."""
     body = {"model": model, "messages": item["messages"], "max_tokens": MAX_TOKENS[item["w"]],
-            "temperature": temp, "seed": seed, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": temp, **({"seed": seed} if temp == 0 else {}), "stream": True,
+            "stream_options": {"include_usage": True},
             **item["extra"]}
     t0 = time.perf_counter()
     first = last = None

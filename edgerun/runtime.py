@@ -127,6 +127,10 @@ class Runtime:
         earlier processes learned when the runtime has a tuner store."""
         if gamma is not None:
             return FixedGamma(gamma)
+        if sampling.seed is not None and not sampling.greedy and isinstance(self.policy, GammaTuner):
+            # same seed, same text: the tuner's choices (learned, persisted, timed) decide which random numbers
+            # each position draws, so a seeded sampled run decodes plainly unless a fixed gamma is asked for
+            return FixedGamma(0)
         if self.tuner_store is None or not isinstance(self.policy, GammaTuner):
             return self.policy
         if self.policy not in self._tuners.values():

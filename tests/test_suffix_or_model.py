@@ -312,3 +312,22 @@ def test_slots_of_a_batching_context_each_get_their_own_parts(tiny_llama, monkey
         assert isinstance(rt.drafter, SuffixOrModel)
         alone, batched, group = _texts_alone_and_batched(rt, PROMPTS, max_tokens=24, temperature=0)
     assert batched == alone
+
+
+def test_a_seeded_sampled_run_decodes_plainly_unless_gamma_is_fixed(tiny_llama, tmp_path, monkeypatch):
+    """Same seed, same text: the tuner's learned (persisted, timed) choices would decide which random numbers each
+    position draws, so a seeded sampled run does not speculate unless a fixed gamma is asked for."""
+    from edgerun import load
+    from edgerun.speculative.gamma import FixedGamma
+
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path))
+    with load(tiny_llama, draft="suffix", n_ctx=256, n_threads=1) as rt:
+        assert isinstance(rt.policy, GammaTuner)
+        seeded = rt.sampling_args(temperature=0.9, seed=3)
+        assert rt._policy_for(None, seeded).__class__ is FixedGamma and rt._policy_for(None, seeded).gamma == 0
+        assert rt._policy_for(4, seeded).gamma == 4
+        assert rt._policy_for(None, rt.sampling_args(temperature=0.9)) is not None
+        assert isinstance(rt._policy_for(None, rt.sampling_args(temperature=0.9)), GammaTuner)
+        assert isinstance(rt._policy_for(None, rt.sampling_args(temperature=0.0, seed=3)), GammaTuner)
+        texts = {rt.generate(COPY, max_tokens=24, temperature=0.9, seed=3).text for _ in range(3)}
+        assert len(texts) == 1

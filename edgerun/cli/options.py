@@ -36,7 +36,9 @@ def sampling_options(f):
         click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1]. Default 0.95."),
         click.option("--min-p", type=float, default=None, help="Drop tokens below min_p x the top probability. Default 0.05."),
         click.option("--repeat-penalty", type=float, default=None, help="Penalty on recent tokens (1 = off)."),
-        click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
+        click.option("--seed", type=int, default=None,
+                     help="Random seed (same seed, same text: sampled with a seed, edgerun does not speculate "
+                          "unless --gamma N fixes the draft length)."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
     ]
     for o in reversed(opts):
