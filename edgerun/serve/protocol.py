@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import ContextOverflow, EdgerunError, InvalidArgument
 from ..request import Request, Structure
+from ..util.jsontext import deeper_than
 from .scheduler import JobResult
 
 
@@ -155,7 +156,7 @@ def parse_body(raw: bytes) -> Any:
         data = _TOO_DEEP
     except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if data is _TOO_DEEP or (raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _deeper_than(data, MAX_NESTING)):
+    if data is _TOO_DEEP or (raw.count(b"[") + raw.count(b"{") > MAX_NESTING and deeper_than(data, MAX_NESTING)):
         raise APIError(400, f"request body nests arrays and objects more than {MAX_NESTING} levels deep; that "
                             "is the limit", code="invalid_value")     # valid JSON, over a limit
     if "\\u" in text:        # only an escape can write a lone surrogate in UTF-8 JSON
@@ -168,20 +169,6 @@ def parse_body(raw: bytes) -> Any:
 
 
 _TOO_DEEP = object()
-
-
-def _deeper_than(data: Any, limit: int) -> bool:
-    stack = [(data, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            v = list(v.values())
-        elif not isinstance(v, list):
-            continue
-        if d > limit:
-            return True
-        stack.extend((c, d + 1) for c in v if isinstance(c, (dict, list)))
-    return False
 
 
 def validate(model_cls, data: Any):
