@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,12 +36,7 @@ FIX = Path(__file__).parent / "fixtures" / "int4"
 GGUF, AWQ = "hf:tiny/tiny-GGUF", "hf:tiny/awq-llama"
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from test_hub import _closed_port  # noqa: E402
 
 
 def _can_unshare() -> bool:

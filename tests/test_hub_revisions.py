@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -23,15 +22,7 @@ pytest.importorskip("huggingface_hub")
 import edgerun  # noqa: E402
 from edgerun.registry import hub  # noqa: E402
 from hubstandin import Repo  # noqa: E402
-from test_hub import home, ok, refused, repos, runner, standin  # noqa: E402,F401  (fixtures and helpers)
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+from test_hub import _closed_port, home, ok, refused, repos, runner, standin  # noqa: E402,F401  (fixtures and helpers)
 
 
 def _new_commit(standin, repo_id: str, tmp_path: Path, change) -> Repo:
