@@ -246,7 +246,12 @@ def cases(world: World):
     for ahead in ("always", "some"):
         for extra in ({}, dict(temperature=0.8, seed=0), dict(constraint="json"), dict(constraint="regex"),
                       dict(constraint="json", temperature=0.8, seed=1), dict(max_tokens=5), dict(max_tokens=1),
-                      dict(drafter="other", gamma=4), dict(take=3), dict(room=6, eog=False)):
+                      dict(drafter="other", gamma=4), dict(take=3), dict(room=6, eog=False),
+                      # with a drafter whose cycles are sometimes plain (no match; a policy's 0): those begin ahead
+                      dict(drafter="lookup", gamma=4), dict(drafter="lookup", gamma=4, constraint="json"),
+                      dict(drafter="lookup", gamma=4, temperature=0.8, seed=1), dict(drafter="lookup", gamma=4, take=4),
+                      dict(drafter="other", policy=((4, 0, 2), 2)),
+                      dict(drafter="lookup", policy=((2, 4, 1), 0), constraint="regex")):
             yield f"ahead-{ahead}/{sorted(extra.items())}", dict(ahead=ahead, **extra)
     # a policy that records the loop's questions (hints, lags, plain cycles, times)
     for gammas, plain_every in (((2, 4, 1), 0), ((3,), 3), ((4, 0, 2), 2)):

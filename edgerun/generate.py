@@ -14,13 +14,13 @@ target alike; rejected drafts leave the constraint with the KV cache: it holds e
 
 Forced runs (docs/free_drafts.md): where the grammar's mask allows exactly one token after a committed
 token, that token has probability 1 under the masked target: it is committed at once, with no logits and
-no sampling, and so are the ones forced after it (_forced_run). The target cache then lags the committed
+no sampling, and so are the ones forced after it (constrain/base.py forced_run). The target cache then lags the committed
 tokens by the run: the next cycle evaluates [pending, *run, *draft] in one call that asks for logits at the
 last gamma + 1 positions only.
 
 Evaluation begun ahead (_EvalAhead, an optional wrapper around cycle()): on a backend with `begin_eval` (a
-lone sequence of a batching group), plain decoding begins the next cycle's evaluation before this cycle's
-Steps are yielded; the next cycle takes that result, and the `finally` waits for it before it rolls back.
+lone sequence of a batching group), a cycle that will not draft (its gamma is chosen right after the cycle
+before) has its evaluation begun before that cycle's Steps are yielded; the `finally` waits for it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 
 from .backends.base import Backend, common_prefix
 from .config import GAMMA_LIMIT, SamplingArgs
-from .constrain.base import Constraint, apply_mask
+from .constrain.base import Constraint, apply_mask, forced_run
 from .errors import BackendError, ContextOverflow, InvalidArgument
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .speculative.sampling import dist, greedy_token, penalised
@@ -246,7 +246,7 @@ def generate(
                  rng if rng is not None else np.random.default_rng(sampling.seed), stats,
                  is_eog or target.tokenizer.is_eog, constraint, forced,
                  _TextReleaser(target.tokenizer.token_bytes, stop))
-    begin_eval = getattr(target, "begin_eval", None) if drafter is None else None
+    begin_eval = getattr(target, "begin_eval", None)
     ahead = _EvalAhead(loop, begin_eval) if begin_eval is not None else None
     cycle, commit = ahead.cycle if ahead is not None else loop.cycle, loop.commit
     try:
@@ -295,6 +295,8 @@ class _Loop:
         self.last: np.ndarray | None = None      # the target's logits at the last verified position
         self.n_tail = 1                          # positions before the drafts: pending and a forced run
         self.earned = EARNED_START               # longest draft this generation may make (_Loop.draft_length)
+        self.next_gamma: int | None = None       # the next cycle's gamma where _EvalAhead chose it
+        self.ahead = False                       # this cycle's evaluation was begun ahead: its time is no step's
         self.lower = getattr(getattr(policy, "tuner", policy), "lower", None) if self.learns else None
 
     def prefill(self) -> None:
@@ -311,7 +313,10 @@ class _Loop:
         room = self.target.n_ctx - len(self.committed)     # cache slots left for drafts once pending goes in
         if room < 0:
             return None
-        gamma = self.draft_length(room) if self.drafter is not None else 0
+        if self.next_gamma is not None:                     # chosen ahead (_EvalAhead.cycle)
+            gamma, self.next_gamma = self.next_gamma, None
+        else:
+            gamma = self.draft_length(room, self.committed) if self.drafter is not None else 0
         t0 = _now()
         draft, q = self.draft(gamma) if gamma > 0 else ([], None)
         t1 = _now()
@@ -322,14 +327,14 @@ class _Loop:
         if gamma:
             self.earned = min(2 * self.earned, GAMMA_LIMIT) if n_acc == gamma else max(EARNED_START, 2 * n_acc)
         if self.learns:
-            _observe(self.policy, gamma, n_acc, t1 - t0, t2 - t1, times=self.n_tail == 1)
-        self.n_tail = 1 + len(run)
+            _observe(self.policy, gamma, n_acc, t1 - t0, t2 - t1, times=self.n_tail == 1 and not self.ahead)
+        self.n_tail, self.ahead = 1 + len(run), False
         self.stats.record_cycle(gamma, n_acc, t1 - t0, t2 - t1)
         return [*draft[:n_acc], nxt, *run], n_acc, gamma, t1 - t0, t2 - t1, len(run)
 
-    def draft_length(self, room: int) -> int:
-        """The policy's gamma for this cycle, within max_tokens and the context."""
-        drafter, committed = self.drafter, self.committed
+    def draft_length(self, room: int, committed: list[int]) -> int:
+        """The policy's gamma for the cycle after `committed`, within max_tokens and the context."""
+        drafter = self.drafter
         lag = drafter.lag(committed)
         if self.plain_cycle is not None and self.plain_cycle(lag):
             return 0
@@ -398,7 +403,7 @@ class _Loop:
         token last, not consumed), at most as many as may be committed after n_new more tokens: within
         max_tokens, and within the context plus the one token the token-by-token path could sample at its last
         position."""
-        run = _forced_run(self.constraint, self.is_eog,
+        run = forced_run(self.constraint, self.is_eog,
                           min(self.limit, self.target.n_ctx + 1) - len(self.committed) - n_new)
         if run:
             self.stats.n_forced_runs += 1
@@ -448,26 +453,14 @@ def _contexts(committed: list[int], draft: list[int]) -> list[list[int]]:
     return [committed, *[committed + draft[:i] for i in range(1, len(draft) + 1)]]
 
 
-def _forced_run(constraint, is_eog: Callable[[int], bool], budget: int) -> list[int]:
-    """Up to `budget` tokens, each the only one the grammar allows after the ones before it, consumed into the
-    constraint; an end-of-generation token ends the run (last, not consumed)."""
-    run: list[int] = []
-    while len(run) < budget:
-        tok = constraint.forced_token()
-        if tok is None or (not is_eog(tok) and constraint.is_end(tok)):
-            break                                  # a choice, or an end this loop's is_eog does not end on
-        run.append(tok)
-        if is_eog(tok):
-            break
-        constraint.consume(tok)
-    return run
-
-
 class _EvalAhead:
-    """Plain decoding on a backend that can evaluate in the background (a lone sequence of a batching group):
-    the next cycle's evaluation of [pending, *forced run] begins before this cycle's Steps are yielded, so what
-    the consumer does with a token (the server's hand-off, stop checks) runs beside the evaluation instead of
-    before it. Wraps the loop's cycle(); the next cycle's evaluation takes the result."""
+    """Decoding on a backend that can evaluate in the background (a lone sequence of a batching group): where
+    the next cycle will not draft, its evaluation of [pending, *forced run] begins before this cycle's Steps
+    are yielded, so what the consumer does with a token (the server's hand-off, stop checks) runs beside the
+    evaluation instead of before it. With a drafter, the next cycle's gamma is chosen here, right after this
+    cycle, with the tokens it commits (the drafter and the policy see what they would see a moment later);
+    a plain choice begins the evaluation. Wraps the loop's cycle(); the next cycle's evaluation takes the
+    result."""
 
     def __init__(self, loop: _Loop, begin_eval: Callable) -> None:
         self.loop, self.begin_eval = loop, begin_eval
@@ -477,12 +470,18 @@ class _EvalAhead:
     def cycle(self) -> tuple[list[int], int, int, float, float, int] | None:
         out = self.loop.cycle()
         if out is not None:
-            new, loop = out[0], self.loop
+            new, n_acc, loop = out[0], out[1], self.loop
             n_after = len(loop.committed) + len(new)
             if not loop.is_eog(new[-1]) and n_after < loop.limit and n_after <= loop.target.n_ctx:
-                # the next cycle evaluates new = [nxt, *run] unless a stop string ends it (then settle() and the
-                # loop's restore() roll it back); it needs logits at the last position only
-                self.waiter = self.begin_eval(new, n_logits=1)
+                if loop.drafter is not None:
+                    loop.next_gamma = loop.draft_length(loop.target.n_ctx - n_after, loop.committed + new)
+                    if loop.next_gamma > 0:
+                        return out
+                # the next cycle evaluates new[n_acc:] = [nxt, *run] (the accepted drafts are in the cache)
+                # unless a stop string ends it (then settle() and the loop's restore() roll it back); it needs
+                # logits at the last position only
+                self.waiter = self.begin_eval(new[n_acc:], n_logits=1)
+                loop.ahead = self.waiter is not None
         return out
 
     def evaluate(self, tokens: Sequence[int], n_logits: int) -> np.ndarray:

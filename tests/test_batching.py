@@ -783,3 +783,31 @@ def test_a_lone_sequence_evaluates_ahead_and_rolls_back_what_it_began(tiny_llama
         st = slot.last_stats
         assert st.finish_reason == "length" and len(steps) == st.n_tokens == 5
         assert len(slot.target.tokens) == len(long) + st.n_tokens - 1 == slot.target.n_ctx
+
+
+def test_a_lone_sequence_with_a_drafter_evaluates_its_plain_cycles_ahead(tiny_llama, monkeypatch):
+    """With the suffix drafter (the default model-free one) a lone slot's cycles that will not draft (no match
+    yet, or the policy says 0) have their evaluation begun before the previous cycle's tokens are yielded, as
+    plain decoding does (generate.py _EvalAhead); cycles that draft evaluate as usual. Greedy, the text is the
+    one-sequence backend's plain text; a stop string still leaves the cache at the committed tokens."""
+    from edgerun.engine import batch as batch_mod
+
+    began = []
+    orig = batch_mod.BatchGroup.begin
+    monkeypatch.setattr(batch_mod.BatchGroup, "begin", lambda self, *a: began.append(1) or orig(self, *a))
+    prompt = PROMPTS[1] * 3
+    with _load(tiny_llama, 1) as rt:
+        plain = rt.generate(prompt, max_tokens=40, temperature=0).text
+    with _load(tiny_llama, 2, draft="suffix", gamma=4) as rt:
+        slot = rt.slots()[0]
+        n_prompt = len(slot.tokenize(prompt))
+        res = slot.generate(prompt, max_tokens=40, temperature=0)
+        st = res.stats
+        assert res.text == plain
+        n_cycles = st.n_tokens - st.n_accepted - st.n_forced
+        assert 0 < len(began) < n_cycles and st.n_drafted > 0, (len(began), n_cycles, st.n_drafted)
+        assert len(slot.target.tokens) == n_prompt + st.n_tokens - (st.finish_reason != "eos")
+        stop = plain[len(plain) // 2:len(plain) // 2 + 3]
+        res = slot.generate(prompt, stop=[stop], max_tokens=40, temperature=0)
+        assert res.text == plain[:plain.index(stop)]
+        assert len(slot.target.tokens) == n_prompt + res.stats.n_tokens - 1

@@ -9,7 +9,7 @@ every cycle the constraint holds exactly the committed tokens.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -60,3 +60,18 @@ def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def allows(mask: np.ndarray, tokens: Sequence[int]) -> bool:
     return all(0 <= t < len(mask) and bool(mask[t]) for t in tokens)
+
+
+def forced_run(constraint, is_eog: Callable[[int], bool], budget: int) -> list[int]:
+    """Up to `budget` tokens, each the only one the grammar allows after the ones before it, consumed into the
+    constraint; an end-of-generation token ends the run (last, not consumed)."""
+    run: list[int] = []
+    while len(run) < budget:
+        tok = constraint.forced_token()
+        if tok is None or (not is_eog(tok) and constraint.is_end(tok)):
+            break                                  # a choice, or an end this loop's is_eog does not end on
+        run.append(tok)
+        if is_eog(tok):
+            break
+        constraint.consume(tok)
+    return run
