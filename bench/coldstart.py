@@ -8,6 +8,9 @@ prompt and greedy decoding:
   needs, llama.cpp's shared libraries included);
 - `edgerun serve` start to /health 200 against `llama-server` (with `-md` where edgerun drafts).
 
+edgerun's bytecode is compiled first (`python -m compileall`), as pip does when it installs the wheel: a
+checkout run with PYTHONDONTWRITEBYTECODE set would otherwise compile every module at every start.
+
     nice python bench/coldstart.py --llama-bin <llama.cpp build>/bin [--models smollm2-135m-instruct,qwen2.5-coder-1.5b-instruct]
         [--rounds 5] [--threads 2]
 """
@@ -62,6 +65,8 @@ def main() -> None:
     from edgerun.resolve import resolve_model
 
     bin_ = Path(a.llama_bin)
+    import edgerun
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(edgerun.__file__).parent)], check=True)
     rows, result = [], {"threads": a.threads, "rounds": a.rounds, "models": {}}
     floor = [peak_of([sys.executable, "-c", "import numpy, llama_cpp, click"])[0] for _ in range(a.rounds)]
     result["floor_s"] = statistics.median(floor)
