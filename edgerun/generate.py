@@ -333,7 +333,7 @@ class _Loop:
         return [*draft[:n_acc], nxt, *run], n_acc, gamma, t1 - t0, t2 - t1, len(run)
 
     def draft_length(self, room: int, committed: list[int]) -> int:
-        """The policy's gamma for the cycle after `committed`, within max_tokens and the context."""
+        """The policy's gamma for the cycle after `committed` (maybe extended: _EvalAhead), within limits."""
         drafter = self.drafter
         lag = drafter.lag(committed)
         if self.plain_cycle is not None and self.plain_cycle(lag):
@@ -458,9 +458,8 @@ class _EvalAhead:
     the next cycle will not draft, its evaluation of [pending, *forced run] begins before this cycle's Steps
     are yielded, so what the consumer does with a token (the server's hand-off, stop checks) runs beside the
     evaluation instead of before it. With a drafter, the next cycle's gamma is chosen here, right after this
-    cycle, with the tokens it commits (the drafter and the policy see what they would see a moment later);
-    a plain choice begins the evaluation. Wraps the loop's cycle(); the next cycle's evaluation takes the
-    result."""
+    cycle, with the tokens it commits (what the drafter and the policy would see a moment later). Wraps the
+    loop's cycle(); the next cycle's evaluation takes the result."""
 
     def __init__(self, loop: _Loop, begin_eval: Callable) -> None:
         self.loop, self.begin_eval = loop, begin_eval
@@ -473,8 +472,10 @@ class _EvalAhead:
             new, n_acc, loop = out[0], out[1], self.loop
             n_after = len(loop.committed) + len(new)
             if not loop.is_eog(new[-1]) and n_after < loop.limit and n_after <= loop.target.n_ctx:
-                if loop.drafter is not None:
-                    loop.next_gamma = loop.draft_length(loop.target.n_ctx - n_after, loop.committed + new)
+                if loop.drafter is not None:   # asked of the committed list itself, as the cycle would (drafters
+                    loop.committed.extend(new)     # index it by identity), then trimmed back for commit()
+                    loop.next_gamma = loop.draft_length(loop.target.n_ctx - n_after, loop.committed)
+                    del loop.committed[-len(new):]
                     if loop.next_gamma > 0:
                         return out
                 # the next cycle evaluates new[n_acc:] = [nxt, *run] (the accepted drafts are in the cache)

@@ -791,10 +791,13 @@ def test_a_lone_sequence_with_a_drafter_evaluates_its_plain_cycles_ahead(tiny_ll
     plain decoding does (generate.py _EvalAhead); cycles that draft evaluate as usual. Greedy, the text is the
     one-sequence backend's plain text; a stop string still leaves the cache at the committed tokens."""
     from edgerun.engine import batch as batch_mod
+    from edgerun.speculative import suffix
 
-    began = []
+    began, extended = [], []
     orig = batch_mod.BatchGroup.begin
     monkeypatch.setattr(batch_mod.BatchGroup, "begin", lambda self, *a: began.append(1) or orig(self, *a))
+    extend = suffix.SuffixAutomaton.extend
+    monkeypatch.setattr(suffix.SuffixAutomaton, "extend", lambda self, t: extended.append(t) or extend(self, t))
     prompt = PROMPTS[1] * 3
     with _load(tiny_llama, 1) as rt:
         plain = rt.generate(prompt, max_tokens=40, temperature=0).text
@@ -806,6 +809,8 @@ def test_a_lone_sequence_with_a_drafter_evaluates_its_plain_cycles_ahead(tiny_ll
         assert res.text == plain
         n_cycles = st.n_tokens - st.n_accepted - st.n_forced
         assert 0 < len(began) < n_cycles and st.n_drafted > 0, (len(began), n_cycles, st.n_drafted)
+        # the drafter's automaton grows by the committed tokens: choosing gamma ahead rebuilds nothing
+        assert len(extended) <= n_prompt + st.n_tokens + 1, (len(extended), n_prompt, st.n_tokens)
         assert len(slot.target.tokens) == n_prompt + st.n_tokens - (st.finish_reason != "eos")
         stop = plain[len(plain) // 2:len(plain) // 2 + 3]
         res = slot.generate(prompt, stop=[stop], max_tokens=40, temperature=0)
