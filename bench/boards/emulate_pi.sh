@@ -12,9 +12,10 @@
 #             g++-aarch64-linux-gnu cmake)
 #   rootfs   mmdebstrap a bookworm arm64 root filesystem (python3, venv, systemd, gcc, libgomp1)
 #   wheels   aarch64 wheels of edgerun's dependencies (pip download --platform ...) and edgerun's own wheel
-#   llama    per profile, cross-compile the four libraries llama-cpp-python loads (llama, ggml, ggml-base,
-#            ggml-cpu) from its sdist with the profile's CMAKE_ARGS (read with `edgerun service build-flags
-#            --profile P`) and the aarch64 toolchain file (nice -n 10, --jobs); check the -march and the
+#   llama    per profile, cross-compile the libraries llama-cpp-python loads (llama, ggml, ggml-base,
+#            ggml-cpu, ggml-rpc) from its sdist with the profile's CMAKE_ARGS (read with `edgerun service
+#            build-flags --profile P`) + -DGGML_RPC=on, as `edgerun bundle` builds it, and the aarch64
+#            toolchain file (nice -n 10, --jobs); check the -march and the
 #            dotprod (sdot) instructions in the CPU kernels; pack them with the package as an aarch64 wheel
 #   venvs    per profile, a venv inside the rootfs with that wheel, edgerun and its dependencies (offline)
 #   checks   per profile, inside the emulation: detection on the board's real files, greedy
@@ -151,16 +152,17 @@ if want llama; then
         flags="$("$py" -m edgerun service build-flags --profile "$p")"
         cmake_args="$("$py" -c 'import json, sys; print(json.loads(sys.argv[1])["cmake_args"])' "$flags")"
         libs="$work/libs-$p"
-        if [ ! -f "$libs/libllama.so" ]; then
+        # + ggml's RPC backend, as `edgerun bundle` builds llama-cpp-python (`edgerun worker` and --rpc on a Pi)
+        if [ ! -f "$libs/libllama.so" ] || [ ! -f "$libs/libggml-rpc.so" ]; then
             say "llama: cross-compiling llama.cpp (llama-cpp-python $llama_version) for $p with CMAKE_ARGS='$cmake_args'"
             b="$work/build-$p"
             rm -rf "$b" "$libs"; mkdir -p "$libs"
-            # only the four libraries the Python package loads (not llama.cpp's common library or the
+            # only the libraries the Python package loads (not llama.cpp's common library or the
             # multimodal one, which edgerun does not use): Release, like pip's build
             # shellcheck disable=SC2086
             { cmake -S "$src" -B "$b" -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FILE="$here/aarch64-linux-gnu.cmake" \
-                  -DLLAVA_BUILD=OFF $cmake_args &&
-              nice -n 10 cmake --build "$b" -j "$jobs" --verbose --target llama ggml ggml-base ggml-cpu; } \
+                  -DLLAVA_BUILD=OFF $cmake_args -DGGML_RPC=on &&
+              nice -n 10 cmake --build "$b" -j "$jobs" --verbose --target llama ggml ggml-base ggml-cpu ggml-rpc; } \
                 >"$libs/build.log" 2>&1 || { tail -30 "$libs/build.log"; die "cross build for $p failed ($libs/build.log)"; }
             cp -a "$b"/bin/lib*.so* "$libs/"
             rm -rf "$b"
@@ -174,7 +176,8 @@ if want llama; then
             *) [ "$n_sdot" = 0 ] || die "$p: libggml-cpu.so has $n_sdot sdot instructions, -march=$march has none" ;;
         esac
         say "llama: $p: -march=$march; $n_sdot sdot (dotprod) instructions in libggml-cpu.so"
-        [ -n "$(llama_wheel "$p")" ] || pack_wheel "$libs" "$work/wheels-$p"
+        w="$(llama_wheel "$p")"
+        if [ -z "$w" ] || [ "$libs/libllama.so" -nt "$w" ]; then pack_wheel "$libs" "$work/wheels-$p"; fi
     done
 fi
 
