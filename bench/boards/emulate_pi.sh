@@ -24,8 +24,17 @@
 #            the exact numpy forward, and the comparison table (results/compare.json)
 #   install  deploy/install.sh for real inside the rootfs (the first profile), llama.cpp build replaced
 #            by the cross-built wheel (--llama-wheel), then `systemd-analyze verify` on the unit
+#   bundle   the offline path of docs/deploy.md for the first profile (needs host, rootfs and llama only):
+#            `edgerun bundle --model M` (--bundle-model, default smollm2-135m-instruct) here with the
+#            cross-built wheel and the rootfs's CPython (timed, sized); a fresh install of it in the
+#            rootfs by its install.sh under `unshare -n` (no network: no package index; timed); the
+#            installed unit's ExecStart with its Environment=/EnvironmentFile= (unit_exec.py), as nobody,
+#            still without network, until /health is ok; one POST /v1/chat/completions from the same
+#            network namespace; results/bundle.json and a table (bundle_report.py). The install's and the
+#            service's times are emulated: they say nothing of a board's speed
 #
-# Emulated speed means nothing: no timing from here is a board's speed, and none is printed.
+# Emulated speed means nothing: no timing from here is a board's speed. Only the bundle stage prints
+# times: the bundle's (made on this host) and the emulated install's and start's, labelled emulated.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,6 +46,7 @@ py="${PYTHON:-$repo/.venv/bin/python}"          # the host's edgerun (x86 build 
 model="${EDGERUN_EMU_MODEL:-$HOME/.cache/edgerun/models/smollm2-135m-instruct.gguf}"
 llama_version=0.3.36
 positions=300
+bundle_model=smollm2-135m-instruct      # the bundle stage's model (a registry name)
 stages=()
 
 while [ $# -gt 0 ]; do
@@ -46,13 +56,14 @@ while [ $# -gt 0 ]; do
         --jobs) jobs="${2:?}"; shift ;;
         --model) model="${2:?}"; shift ;;
         --positions) positions="${2:?}"; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
-        host|rootfs|wheels|llama|venvs|checks|install) stages+=("$1") ;;
+        --bundle-model) bundle_model="${2:?}"; shift ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+        host|rootfs|wheels|llama|venvs|checks|install|bundle) stages+=("$1") ;;
         *) echo "emulate_pi.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
 done
-[ ${#stages[@]} -gt 0 ] || stages=(host rootfs wheels llama venvs checks install)
+[ ${#stages[@]} -gt 0 ] || stages=(host rootfs wheels llama venvs checks install bundle)
 
 rootfs="$work/rootfs"
 wheels="$work/wheels-arm64"
@@ -299,4 +310,77 @@ if want install; then
     in_pi -- systemd-analyze verify /etc/systemd/system/edgerun.service 2>&1 | tee "$results/install.verify.log"
     say "install: the unit passes systemd-analyze verify inside the emulated $p"
     in_pi -- cat /etc/edgerun/edgerun.env | grep '^EDGERUN_PROFILE='
+fi
+
+# --- bundle: `edgerun bundle` here, its install.sh and the unit's ExecStart in the rootfs, no network ----
+if want bundle; then
+    p="${profiles%% *}"
+    w="$(llama_wheel "$p")"
+    [ -n "$w" ] || die "bundle: no cross-built llama-cpp-python wheel for $p (run the llama stage)"
+    [ -x "$rootfs/usr/bin/python3" ] || die "bundle: no rootfs (run the rootfs stage)"
+    mount_in proc /proc -t proc
+    mount_in /dev /dev --bind
+    pyver="$(in_pi -- python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+    qcpu="$(qemu_cpu "$p")"
+    out="$work/bundle-$p"
+    # (1) the bundle, made from scratch here (x86-64, with the package index), timed
+    say "bundle: edgerun bundle --profile $p --model $bundle_model --python $pyver --llama-wheel $(basename "$w")"
+    rm -rf "$out"
+    /usr/bin/time -f '%e' -o "$results/bundle.time" nice -n 10 "$py" -m edgerun bundle --profile "$p" \
+        --model "$bundle_model" --python "$pyver" --llama-wheel "$w" -o "$out" 2>&1 | tee "$results/bundle.log"
+    [ -f "$out/manifest.json" ] || die "bundle: edgerun bundle made no $out/manifest.json"
+
+    # (2) a fresh install (no earlier /opt/edgerun) in the rootfs: its install.sh as root in a network
+    # namespace with no interfaces, so pip (--no-index) and everything else can reach nothing
+    say "bundle: install.sh in the emulated $p (QEMU_CPU=$qcpu), in unshare -n (no network)"
+    rm -rf "$rootfs/root/bundle" "$rootfs/opt/edgerun" "$rootfs/etc/edgerun" "$rootfs/var/cache/edgerun" \
+        "$rootfs/var/lib/edgerun" "$rootfs/etc/systemd/system/edgerun.service"
+    cp -a "$out" "$rootfs/root/bundle"
+    /usr/bin/time -f '%e' -o "$results/bundle.install.time" unshare -n chroot "$rootfs" /usr/bin/env -i \
+        HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
+        QEMU_CPU="$qcpu" bash /root/bundle/install.sh --offline 2>&1 | tee "$results/bundle.install.log"
+    [ -L "$rootfs/opt/edgerun/venv" ] || die "bundle: install.sh left no /opt/edgerun/venv link"
+
+    # (3) the installed unit's ExecStart as systemd would run it, as far as a chroot allows: its
+    # Environment= then EnvironmentFile= (the file wins), %C=/var/cache, %S=/var/lib, WorkingDirectory=.
+    # No systemd, so no DynamicUser=: the service runs as nobody (65534), which owns the cache and state
+    # directories as CacheDirectory=/StateDirectory= hand them to the dynamic user (chown, links included).
+    eval "$("$py" "$here/unit_exec.py" "$rootfs" /etc/systemd/system/edgerun.service)"   # wd, svc_env, svc_cmd
+    port=8080; for e in "${svc_env[@]}"; do case "$e" in EDGERUN_PORT=*) port="${e#*=}" ;; esac; done
+    say "bundle: ExecStart=${svc_cmd[*]} in $wd, ${#svc_env[@]} variables (unit + env file), as nobody"
+    mkdir -p "$rootfs/var/cache/edgerun" "$rootfs$wd"
+    chown -R -h 65534:65534 "$rootfs/var/cache/edgerun" "$rootfs$wd"
+    # server and client in one network namespace with only loopback up: the server under qemu in the
+    # chroot, the client (curl) on the host side of the same namespace
+    {
+        echo 'set -euo pipefail'
+        echo 'ip link set lo up'
+        echo 't0=$(date +%s.%N)'
+        printf 'chroot --userspec=65534:65534 %q /usr/bin/env -i -C %q QEMU_CPU=%q PATH=/usr/sbin:/usr/bin:/sbin:/bin' \
+            "$rootfs" "$wd" "$qcpu"
+        printf ' %q' "${svc_env[@]}" "${svc_cmd[@]}"
+        printf ' >%q 2>&1 &\n' "$results/bundle.serve.log"
+        echo 'pid=$!'
+        echo "trap 'kill \$pid 2>/dev/null || true; wait \$pid 2>/dev/null || true' EXIT"
+        echo "url=http://127.0.0.1:$port"
+        printf 'res=%q\n' "$results"
+        cat <<'SH'
+for _ in $(seq 1 1200); do
+    curl -sf "$url/health" >"$res/bundle.health.json" 2>/dev/null && break
+    kill -0 "$pid" 2>/dev/null || { echo "the service exited:"; tail -20 "$res/bundle.serve.log"; exit 1; }
+    sleep 1
+done
+curl -sf "$url/health" >/dev/null || { echo "no /health ok after 1200 s"; tail -20 "$res/bundle.serve.log"; exit 1; }
+t1=$(date +%s.%N)
+curl -sS --fail-with-body "$url/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+         "max_tokens": 24, "temperature": 0}' >"$res/bundle.chat.json"
+t2=$(date +%s.%N)
+echo "$t0 $t1 $t2" >"$res/bundle.serve.times"
+SH
+    } >"$work/bundle-serve.sh"
+    say "bundle: the service in unshare -n (loopback only); waiting for /health, then one chat completion"
+    unshare -n bash "$work/bundle-serve.sh"
+    "$py" "$here/bundle_report.py" --bundle "$out" --results "$results" --profile "$p" --model "$bundle_model" \
+        --python "$pyver" --qemu-cpu "$qcpu" --llama-wheel "$(basename "$w")"
 fi
