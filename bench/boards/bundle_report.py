@@ -26,10 +26,16 @@ def main() -> None:
     total, n = tree(out)
     wheels, nw = tree(out / "wheels")
     models, nm = tree(out / "models")
-    t0, t1, t2 = map(float, (res / "bundle.serve.times").read_text().split())
-    chat = json.loads((res / "bundle.chat.json").read_text())
-    answer = chat["choices"][0]["message"]["content"]
-    health = json.loads((res / "bundle.health.json").read_text())
+    starts = []
+    for i in (1, 2):      # the first start (hashes the model, probes the costs) and the second (cached)
+        t0, t1, t2 = map(float, (res / f"bundle.serve{i}.times").read_text().split())
+        chat = json.loads((res / f"bundle.chat{i}.json").read_text())
+        health = json.loads((res / f"bundle.health{i}.json").read_text())
+        starts.append({"ready_seconds_emulated": round(t1 - t0, 1), "chat_seconds_emulated": round(t2 - t1, 1),
+                       "health": {k: health.get(k) for k in ("status", "model")},
+                       "backends": (health.get("gpu") or {}).get("backends"),
+                       "answer": chat["choices"][0]["message"]["content"],
+                       "finish_reason": chat["choices"][0].get("finish_reason"), "usage": chat.get("usage")})
     d = {
         "profile": a.profile, "model": a.model, "python": a.python, "llama_wheel": a.llama_wheel,
         "emulated_cpu": a.qemu_cpu,
@@ -37,10 +43,7 @@ def main() -> None:
         "bundle_bytes": total, "bundle_files": n, "wheels_bytes": wheels, "wheels_files": nw,
         "models_bytes": models, "models_files": nm,
         "install_seconds_emulated": float((res / "bundle.install.time").read_text().split()[-1]),
-        "service_ready_seconds_emulated": round(t1 - t0, 1),
-        "chat_seconds_emulated": round(t2 - t1, 1),
-        "health": {k: health.get(k) for k in ("status", "model")},
-        "answer": answer, "finish_reason": chat["choices"][0].get("finish_reason"), "usage": chat.get("usage"),
+        "first_start": starts[0], "second_start": starts[1],
     }
     (res / "bundle.json").write_text(json.dumps(d, indent=2) + "\n")
     rows = [
@@ -48,16 +51,17 @@ def main() -> None:
         ("bundle size", f"{total / 1e6:.1f} MB in {n} files (wheels/ {wheels / 1e6:.1f} MB in {nw}, "
                         f"models/ {models / 1e6:.1f} MB in {nm})"),
         (f"install.sh in unshare -n (emulated {a.qemu_cpu})", f"{d['install_seconds_emulated']:.1f} s"),
-        ("ExecStart to /health ok (emulated)", f"{d['service_ready_seconds_emulated']:.1f} s"),
-        ("one chat completion (emulated)", f"{d['chat_seconds_emulated']:.1f} s"),
-        ("answer", repr(answer)),
     ]
+    for name, st in (("first", starts[0]), ("second", starts[1])):
+        rows += [(f"{name} start: ExecStart to /health ok (emulated)", f"{st['ready_seconds_emulated']:.1f} s"),
+                 (f"{name} start: one chat completion (emulated)",
+                  f"{st['chat_seconds_emulated']:.1f} s: {st['answer']!r}")]
     w = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{w}}  {v}")
     print(f"(written to {res / 'bundle.json'})")
-    if not answer.strip():
-        sys.exit("the chat completion's answer is empty")
+    if not all(st["answer"].strip() for st in starts):
+        sys.exit("a chat completion's answer is empty")
 
 
 if __name__ == "__main__":

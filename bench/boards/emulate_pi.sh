@@ -323,6 +323,7 @@ if want bundle; then
     pyver="$(in_pi -- python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     qcpu="$(qemu_cpu "$p")"
     out="$work/bundle-$p"
+    rm -f "$results"/bundle.*
     # (1) the bundle, made from scratch here (x86-64, with the package index), timed
     say "bundle: edgerun bundle --profile $p --model $bundle_model --python $pyver --llama-wheel $(basename "$w")"
     rm -rf "$out"
@@ -331,12 +332,17 @@ if want bundle; then
     [ -f "$out/manifest.json" ] || die "bundle: edgerun bundle made no $out/manifest.json"
 
     # (2) a fresh install (no earlier /opt/edgerun) in the rootfs: its install.sh as root in a network
-    # namespace with no interfaces, so pip (--no-index) and everything else can reach nothing
+    # namespace with no interfaces, so pip (--no-index) and everything else can reach nothing; first, in
+    # the same namespace, the interfaces (loopback only, down) and a request to the package index that
+    # must fail go to results/bundle.netns.txt
     say "bundle: install.sh in the emulated $p (QEMU_CPU=$qcpu), in unshare -n (no network)"
     rm -rf "$rootfs/root/bundle" "$rootfs/opt/edgerun" "$rootfs/etc/edgerun" "$rootfs/var/cache/edgerun" \
         "$rootfs/var/lib/edgerun" "$rootfs/etc/systemd/system/edgerun.service"
     cp -a "$out" "$rootfs/root/bundle"
-    /usr/bin/time -f '%e' -o "$results/bundle.install.time" unshare -n chroot "$rootfs" /usr/bin/env -i \
+    # shellcheck disable=SC2016
+    /usr/bin/time -f '%e' -o "$results/bundle.install.time" unshare -n bash -c '
+        { ip -o link; curl -sS --max-time 5 -o /dev/null https://pypi.org/simple/ 2>&1 && exit 3; } >"$1"
+        shift; exec chroot "$@"' _ "$results/bundle.netns.txt" "$rootfs" /usr/bin/env -i \
         HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
         QEMU_CPU="$qcpu" bash /root/bundle/install.sh --offline 2>&1 | tee "$results/bundle.install.log"
     [ -L "$rootfs/opt/edgerun/venv" ] || die "bundle: install.sh left no /opt/edgerun/venv link"
@@ -351,36 +357,40 @@ if want bundle; then
     mkdir -p "$rootfs/var/cache/edgerun" "$rootfs$wd"
     chown -R -h 65534:65534 "$rootfs/var/cache/edgerun" "$rootfs$wd"
     # server and client in one network namespace with only loopback up: the server under qemu in the
-    # chroot, the client (curl) on the host side of the same namespace
+    # chroot, the client (curl) on the host side of the same namespace. Run twice: the first start (it
+    # hashes the model and probes the costs, caching both in EDGERUN_HOME) and a second one (a reboot's)
     {
         echo 'set -euo pipefail'
+        echo 'n="${1:?}"   # 1: the first start, 2: the second'
+        printf 'res=%q\nmodel=%q\n' "$results" "$bundle_model"
         echo 'ip link set lo up'
         echo 't0=$(date +%s.%N)'
         printf 'chroot --userspec=65534:65534 %q /usr/bin/env -i -C %q QEMU_CPU=%q PATH=/usr/sbin:/usr/bin:/sbin:/bin' \
             "$rootfs" "$wd" "$qcpu"
         printf ' %q' "${svc_env[@]}" "${svc_cmd[@]}"
-        printf ' >%q 2>&1 &\n' "$results/bundle.serve.log"
+        echo ' >"$res/bundle.serve$n.log" 2>&1 &'
         echo 'pid=$!'
         echo "trap 'kill \$pid 2>/dev/null || true; wait \$pid 2>/dev/null || true' EXIT"
         echo "url=http://127.0.0.1:$port"
-        printf 'res=%q\n' "$results"
         cat <<'SH'
 for _ in $(seq 1 1200); do
-    curl -sf "$url/health" >"$res/bundle.health.json" 2>/dev/null && break
-    kill -0 "$pid" 2>/dev/null || { echo "the service exited:"; tail -20 "$res/bundle.serve.log"; exit 1; }
+    curl -sf "$url/health" >"$res/bundle.health$n.json" 2>/dev/null && break
+    kill -0 "$pid" 2>/dev/null || { echo "the service exited:"; tail -20 "$res/bundle.serve$n.log"; exit 1; }
     sleep 1
 done
-curl -sf "$url/health" >/dev/null || { echo "no /health ok after 1200 s"; tail -20 "$res/bundle.serve.log"; exit 1; }
+curl -sf "$url/health" >/dev/null || { echo "no /health ok after 1200 s"; tail -20 "$res/bundle.serve$n.log"; exit 1; }
 t1=$(date +%s.%N)
 curl -sS --fail-with-body "$url/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-         "max_tokens": 24, "temperature": 0}' >"$res/bundle.chat.json"
+    -d '{"model": "'"$model"'", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "max_tokens": 24, "temperature": 0}' >"$res/bundle.chat$n.json"
 t2=$(date +%s.%N)
-echo "$t0 $t1 $t2" >"$res/bundle.serve.times"
+echo "$t0 $t1 $t2" >"$res/bundle.serve$n.times"
 SH
     } >"$work/bundle-serve.sh"
     say "bundle: the service in unshare -n (loopback only); waiting for /health, then one chat completion"
-    unshare -n bash "$work/bundle-serve.sh"
+    unshare -n bash "$work/bundle-serve.sh" 1
+    say "bundle: the service's second start (hashes and cost probes cached), one chat completion"
+    unshare -n bash "$work/bundle-serve.sh" 2
     "$py" "$here/bundle_report.py" --bundle "$out" --results "$results" --profile "$p" --model "$bundle_model" \
         --python "$pyver" --qemu-cpu "$qcpu" --llama-wheel "$(basename "$w")"
 fi
