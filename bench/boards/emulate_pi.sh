@@ -12,9 +12,10 @@
 #             g++-aarch64-linux-gnu cmake)
 #   rootfs   mmdebstrap a bookworm arm64 root filesystem (python3, venv, systemd, gcc, libgomp1)
 #   wheels   aarch64 wheels of edgerun's dependencies (pip download --platform ...) and edgerun's own wheel
-#   llama    per profile, cross-compile the four libraries llama-cpp-python loads (llama, ggml, ggml-base,
-#            ggml-cpu) from its sdist with the profile's CMAKE_ARGS (read with `edgerun service build-flags
-#            --profile P`) and the aarch64 toolchain file (nice -n 10, --jobs); check the -march and the
+#   llama    per profile, cross-compile the libraries llama-cpp-python loads (llama, ggml, ggml-base,
+#            ggml-cpu, ggml-rpc) from its sdist with the profile's CMAKE_ARGS (read with `edgerun service
+#            build-flags --profile P`) + -DGGML_RPC=on, as `edgerun bundle` builds it, and the aarch64
+#            toolchain file (nice -n 10, --jobs); check the -march and the
 #            dotprod (sdot) instructions in the CPU kernels; pack them with the package as an aarch64 wheel
 #   venvs    per profile, a venv inside the rootfs with that wheel, edgerun and its dependencies (offline)
 #   checks   per profile, inside the emulation: detection on the board's real files, greedy
@@ -23,8 +24,17 @@
 #            the exact numpy forward, and the comparison table (results/compare.json)
 #   install  deploy/install.sh for real inside the rootfs (the first profile), llama.cpp build replaced
 #            by the cross-built wheel (--llama-wheel), then `systemd-analyze verify` on the unit
+#   bundle   the offline path of docs/deploy.md for the first profile (needs host, rootfs and llama only):
+#            `edgerun bundle --model M` (--bundle-model, default smollm2-135m-instruct) here with the
+#            cross-built wheel and the rootfs's CPython (timed, sized); a fresh install of it in the
+#            rootfs by its install.sh under `unshare -n` (no network: no package index; timed); the
+#            installed unit's ExecStart with its Environment=/EnvironmentFile= (unit_exec.py), as nobody,
+#            still without network, until /health is ok; one POST /v1/chat/completions from the same
+#            network namespace; results/bundle.json and a table (bundle_report.py). The install's and the
+#            service's times are emulated: they say nothing of a board's speed
 #
-# Emulated speed means nothing: no timing from here is a board's speed, and none is printed.
+# Emulated speed means nothing: no timing from here is a board's speed. Only the bundle stage prints
+# times: the bundle's (made on this host) and the emulated install's and start's, labelled emulated.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,6 +46,7 @@ py="${PYTHON:-$repo/.venv/bin/python}"          # the host's edgerun (x86 build 
 model="${EDGERUN_EMU_MODEL:-$HOME/.cache/edgerun/models/smollm2-135m-instruct.gguf}"
 llama_version=0.3.36
 positions=300
+bundle_model=smollm2-135m-instruct      # the bundle stage's model (a registry name)
 stages=()
 
 while [ $# -gt 0 ]; do
@@ -45,13 +56,14 @@ while [ $# -gt 0 ]; do
         --jobs) jobs="${2:?}"; shift ;;
         --model) model="${2:?}"; shift ;;
         --positions) positions="${2:?}"; shift ;;
-        -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
-        host|rootfs|wheels|llama|venvs|checks|install) stages+=("$1") ;;
+        --bundle-model) bundle_model="${2:?}"; shift ;;
+        -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+        host|rootfs|wheels|llama|venvs|checks|install|bundle) stages+=("$1") ;;
         *) echo "emulate_pi.sh: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
 done
-[ ${#stages[@]} -gt 0 ] || stages=(host rootfs wheels llama venvs checks install)
+[ ${#stages[@]} -gt 0 ] || stages=(host rootfs wheels llama venvs checks install bundle)
 
 rootfs="$work/rootfs"
 wheels="$work/wheels-arm64"
@@ -151,16 +163,17 @@ if want llama; then
         flags="$("$py" -m edgerun service build-flags --profile "$p")"
         cmake_args="$("$py" -c 'import json, sys; print(json.loads(sys.argv[1])["cmake_args"])' "$flags")"
         libs="$work/libs-$p"
-        if [ ! -f "$libs/libllama.so" ]; then
+        # + ggml's RPC backend, as `edgerun bundle` builds llama-cpp-python (`edgerun worker` and --rpc on a Pi)
+        if [ ! -f "$libs/libllama.so" ] || [ ! -f "$libs/libggml-rpc.so" ]; then
             say "llama: cross-compiling llama.cpp (llama-cpp-python $llama_version) for $p with CMAKE_ARGS='$cmake_args'"
             b="$work/build-$p"
             rm -rf "$b" "$libs"; mkdir -p "$libs"
-            # only the four libraries the Python package loads (not llama.cpp's common library or the
+            # only the libraries the Python package loads (not llama.cpp's common library or the
             # multimodal one, which edgerun does not use): Release, like pip's build
             # shellcheck disable=SC2086
             { cmake -S "$src" -B "$b" -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FILE="$here/aarch64-linux-gnu.cmake" \
-                  -DLLAVA_BUILD=OFF $cmake_args &&
-              nice -n 10 cmake --build "$b" -j "$jobs" --verbose --target llama ggml ggml-base ggml-cpu; } \
+                  -DLLAVA_BUILD=OFF $cmake_args -DGGML_RPC=on &&
+              nice -n 10 cmake --build "$b" -j "$jobs" --verbose --target llama ggml ggml-base ggml-cpu ggml-rpc; } \
                 >"$libs/build.log" 2>&1 || { tail -30 "$libs/build.log"; die "cross build for $p failed ($libs/build.log)"; }
             cp -a "$b"/bin/lib*.so* "$libs/"
             rm -rf "$b"
@@ -174,7 +187,8 @@ if want llama; then
             *) [ "$n_sdot" = 0 ] || die "$p: libggml-cpu.so has $n_sdot sdot instructions, -march=$march has none" ;;
         esac
         say "llama: $p: -march=$march; $n_sdot sdot (dotprod) instructions in libggml-cpu.so"
-        [ -n "$(llama_wheel "$p")" ] || pack_wheel "$libs" "$work/wheels-$p"
+        w="$(llama_wheel "$p")"
+        if [ -z "$w" ] || [ "$libs/libllama.so" -nt "$w" ]; then pack_wheel "$libs" "$work/wheels-$p"; fi
     done
 fi
 
@@ -296,4 +310,87 @@ if want install; then
     in_pi -- systemd-analyze verify /etc/systemd/system/edgerun.service 2>&1 | tee "$results/install.verify.log"
     say "install: the unit passes systemd-analyze verify inside the emulated $p"
     in_pi -- cat /etc/edgerun/edgerun.env | grep '^EDGERUN_PROFILE='
+fi
+
+# --- bundle: `edgerun bundle` here, its install.sh and the unit's ExecStart in the rootfs, no network ----
+if want bundle; then
+    p="${profiles%% *}"
+    w="$(llama_wheel "$p")"
+    [ -n "$w" ] || die "bundle: no cross-built llama-cpp-python wheel for $p (run the llama stage)"
+    [ -x "$rootfs/usr/bin/python3" ] || die "bundle: no rootfs (run the rootfs stage)"
+    mount_in proc /proc -t proc
+    mount_in /dev /dev --bind
+    pyver="$(in_pi -- python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+    qcpu="$(qemu_cpu "$p")"
+    out="$work/bundle-$p"
+    rm -f "$results"/bundle.*
+    # (1) the bundle, made from scratch here (x86-64, with the package index), timed
+    say "bundle: edgerun bundle --profile $p --model $bundle_model --python $pyver --llama-wheel $(basename "$w")"
+    rm -rf "$out"
+    /usr/bin/time -f '%e' -o "$results/bundle.time" nice -n 10 "$py" -m edgerun bundle --profile "$p" \
+        --model "$bundle_model" --python "$pyver" --llama-wheel "$w" -o "$out" 2>&1 | tee "$results/bundle.log"
+    [ -f "$out/manifest.json" ] || die "bundle: edgerun bundle made no $out/manifest.json"
+
+    # (2) a fresh install (no earlier /opt/edgerun) in the rootfs: its install.sh as root in a network
+    # namespace with no interfaces, so pip (--no-index) and everything else can reach nothing; first, in
+    # the same namespace, the interfaces (loopback only, down) and a request to the package index that
+    # must fail go to results/bundle.netns.txt
+    say "bundle: install.sh in the emulated $p (QEMU_CPU=$qcpu), in unshare -n (no network)"
+    rm -rf "$rootfs/root/bundle" "$rootfs/opt/edgerun" "$rootfs/etc/edgerun" "$rootfs/var/cache/edgerun" \
+        "$rootfs/var/lib/edgerun" "$rootfs/etc/systemd/system/edgerun.service"
+    cp -a "$out" "$rootfs/root/bundle"
+    # shellcheck disable=SC2016
+    /usr/bin/time -f '%e' -o "$results/bundle.install.time" unshare -n bash -c '
+        { ip -o link; curl -sS --max-time 5 -o /dev/null https://pypi.org/simple/ 2>&1 && exit 3; } >"$1"
+        shift; exec chroot "$@"' _ "$results/bundle.netns.txt" "$rootfs" /usr/bin/env -i \
+        HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
+        QEMU_CPU="$qcpu" bash /root/bundle/install.sh --offline 2>&1 | tee "$results/bundle.install.log"
+    [ -L "$rootfs/opt/edgerun/venv" ] || die "bundle: install.sh left no /opt/edgerun/venv link"
+
+    # (3) the installed unit's ExecStart as systemd would run it, as far as a chroot allows: its
+    # Environment= then EnvironmentFile= (the file wins), %C=/var/cache, %S=/var/lib, WorkingDirectory=.
+    # No systemd, so no DynamicUser=: the service runs as nobody (65534), which owns the cache and state
+    # directories as CacheDirectory=/StateDirectory= hand them to the dynamic user (chown, links included).
+    eval "$("$py" "$here/unit_exec.py" "$rootfs" /etc/systemd/system/edgerun.service)"   # wd, svc_env, svc_cmd
+    port=8080; for e in "${svc_env[@]}"; do case "$e" in EDGERUN_PORT=*) port="${e#*=}" ;; esac; done
+    say "bundle: ExecStart=${svc_cmd[*]} in $wd, ${#svc_env[@]} variables (unit + env file), as nobody"
+    mkdir -p "$rootfs/var/cache/edgerun" "$rootfs$wd"
+    chown -R -h 65534:65534 "$rootfs/var/cache/edgerun" "$rootfs$wd"
+    # server and client in one network namespace with only loopback up: the server under qemu in the
+    # chroot, the client (curl) on the host side of the same namespace. Run twice: the first start (it
+    # hashes the model and probes the costs, caching both in EDGERUN_HOME) and a second one (a reboot's)
+    {
+        echo 'set -euo pipefail'
+        echo 'n="${1:?}"   # 1: the first start, 2: the second'
+        printf 'res=%q\nmodel=%q\n' "$results" "$bundle_model"
+        echo 'ip link set lo up'
+        echo 't0=$(date +%s.%N)'
+        printf 'chroot --userspec=65534:65534 %q /usr/bin/env -i -C %q QEMU_CPU=%q PATH=/usr/sbin:/usr/bin:/sbin:/bin' \
+            "$rootfs" "$wd" "$qcpu"
+        printf ' %q' "${svc_env[@]}" "${svc_cmd[@]}"
+        echo ' >"$res/bundle.serve$n.log" 2>&1 &'
+        echo 'pid=$!'
+        echo "trap 'kill \$pid 2>/dev/null || true; wait \$pid 2>/dev/null || true' EXIT"
+        echo "url=http://127.0.0.1:$port"
+        cat <<'SH'
+for _ in $(seq 1 1200); do
+    curl -sf "$url/health" >"$res/bundle.health$n.json" 2>/dev/null && break
+    kill -0 "$pid" 2>/dev/null || { echo "the service exited:"; tail -20 "$res/bundle.serve$n.log"; exit 1; }
+    sleep 1
+done
+curl -sf "$url/health" >/dev/null || { echo "no /health ok after 1200 s"; tail -20 "$res/bundle.serve$n.log"; exit 1; }
+t1=$(date +%s.%N)
+curl -sS --fail-with-body "$url/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "'"$model"'", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+         "max_tokens": 24, "temperature": 0}' >"$res/bundle.chat$n.json"
+t2=$(date +%s.%N)
+echo "$t0 $t1 $t2" >"$res/bundle.serve$n.times"
+SH
+    } >"$work/bundle-serve.sh"
+    say "bundle: the service in unshare -n (loopback only); waiting for /health, then one chat completion"
+    unshare -n bash "$work/bundle-serve.sh" 1
+    say "bundle: the service's second start (hashes and cost probes cached), one chat completion"
+    unshare -n bash "$work/bundle-serve.sh" 2
+    "$py" "$here/bundle_report.py" --bundle "$out" --results "$results" --profile "$p" --model "$bundle_model" \
+        --python "$pyver" --qemu-cpu "$qcpu" --llama-wheel "$(basename "$w")"
 fi

@@ -147,7 +147,7 @@ def llama_wheel_for(target: Target, pin: str, say: Say | None) -> Path:
             return found[-1]
         raise BundleError(
             f"{target.profile}: no cross-built llama-cpp-python wheel in {emu}; make one with "
-            f"`sudo bench/boards/emulate_pi.sh --profiles {target.profile} host rootfs wheels llama` "
+            f"`sudo bench/boards/emulate_pi.sh --profiles {target.profile} host llama` "
             "(or build it on a Pi and pass --llama-wheel)")
     if platform.system() != "Linux" or here != target.machine:
         raise BundleError(f"{target.profile} is a {target.machine} board and this is {platform.system()} "
