@@ -109,6 +109,9 @@ def recording_policy(gammas, plain_every: int = 0):
         def observe(self, gamma, n_accepted, t_draft, t_verify, *, times: bool = True) -> None:
             self.log.append(f"o{gamma}:{n_accepted}:{int(times)}")
 
+        def begin_generation(self) -> None:
+            self.log.append("g")
+
     return Recording()
 
 

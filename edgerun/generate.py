@@ -190,14 +190,11 @@ class _TextReleaser:
 def _observe(policy: GammaPolicy, gamma: int, n_acc: int, t_draft: float, t_verify: float, times: bool) -> None:
     """policy.observe; times=False: the cycle's evaluation also held a forced run, so its time is not the
     gamma + 1 positions' the tuner prices (it learns the counts only)."""
-    if times:
+    tuner = policy.tuner if isinstance(policy, BatchedGamma) else policy
+    if times or not isinstance(tuner, GammaTuner):
         policy.observe(gamma, n_acc, t_draft, t_verify)
-    elif isinstance(policy, GammaTuner):
-        policy.observe(gamma, n_acc, t_draft, t_verify, times=False)
-    elif isinstance(policy, BatchedGamma):
-        policy.tuner.observe(gamma, n_acc, t_draft, t_verify, times=False)
     else:
-        policy.observe(gamma, n_acc, t_draft, t_verify)
+        tuner.observe(gamma, n_acc, t_draft, t_verify, times=False)
 
 
 def generate(
@@ -297,7 +294,10 @@ class _Loop:
         self.earned = EARNED_START               # longest draft this generation may make (_Loop.draft_length)
         self.next_gamma: int | None = None       # the next cycle's gamma where _EvalAhead chose it
         self.ahead = False                       # this cycle's evaluation was begun ahead: its time is no step's
-        self.lower = getattr(getattr(policy, "tuner", policy), "lower", None) if self.learns else None
+        tuner = getattr(policy, "tuner", policy)
+        self.lower = getattr(tuner, "lower", None) if self.learns else None
+        if self.learns and hasattr(tuner, "begin_generation"):
+            tuner.begin_generation()             # a new text: what free drafts learned on others weighs less
 
     def prefill(self) -> None:
         """Reuse the cached prefix (multi-turn chat), evaluate the rest of the prompt without logits."""

@@ -295,7 +295,8 @@ def test_long_drafts_are_earned_within_a_generation(pair):
         SuffixDrafter.propose = real_propose
     assert got == plain
     assert sizes[0] <= g.EARNED_START < max(sizes), sizes     # started within the cap, earned longer drafts
-    assert (tuner.supply(5) > 0.9).all()                        # the caps taught no supply misses
+    # the caps taught no supply misses (one lowered cycle each would be); the text itself may run out once
+    assert (tuner._asked[5] - tuner._got[5]).sum() <= 1.0 + 1e-9
 
 
 @pytest.mark.parametrize("gamma", [3, "auto"])
@@ -331,3 +332,31 @@ def test_a_seeded_sampled_run_decodes_plainly_unless_gamma_is_fixed(tiny_llama, 
         assert isinstance(rt._policy_for(None, rt.sampling_args(temperature=0.0, seed=3)), GammaTuner)
         texts = {rt.generate(COPY, max_tokens=24, temperature=0.9, seed=3).text for _ in range(3)}
         assert len(texts) == 1
+
+
+def test_a_new_generation_weighs_what_free_classes_learned_on_other_texts_less():
+    """On a steep curve (a 1.5B target on 2 CPU threads: each verified position costs ~0.8 of a step), a free
+    class taught on a file copied whole drafts long; in a new generation (a short answer quoting a document),
+    begin_generation() leaves its estimate but the weight of 16 positions, so the first rejected draft turns
+    it down. Without it (the known-wrong variant) the class keeps drafting 22 into every rejection."""
+    steep = [1.0 + 0.8 * k for k in range(25)]
+    tuner = GammaTuner(_curve(steep, 0.033, 0.0), gamma_max=24, n_classes=6, free_classes=6)
+    for _ in range(200):                           # the code edit: every draft of a long match accepted
+        x = tuner.choose(5)
+        tuner.observe(x, x, 0.0, 0.033 * steep[x])
+    assert tuner.choose(5) > 16
+
+    def quoting(t):       # each draft kept for its first 2 positions, then rejected
+        out = []
+        for _ in range(6):
+            x = t.choose(5)
+            out.append(x)
+            t.observe(x, min(x, 2), 0.0, 0.033 * steep[x])
+        return out
+
+    stale = quoting(copy.deepcopy(tuner))
+    rate = tuner._acc[5].sum() / tuner._seen[5].sum()
+    tuner.begin_generation()
+    assert abs(tuner._seen[5].sum() - 16.0) < 1e-9 and abs(tuner._acc[5].sum() / 16.0 - rate) < 1e-12
+    fresh = quoting(tuner)
+    assert max(fresh[1:]) <= 4 and min(stale) > 16, (fresh, stale)

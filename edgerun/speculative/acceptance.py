@@ -42,6 +42,18 @@ class AcceptanceModel:
             if na < m:
                 self._seen[c, na] += 1
 
+    def soften(self, classes, n_max: float) -> None:
+        """A new text begins: each of `classes` keeps its estimates (the ratios of its counts) but weighs at
+        most n_max verified positions, so that this text's first outcomes move them. Free drafts (suffix
+        lookup) are accepted at rates that depend on the text far more than on the match's length: a class
+        that learned from a file copied whole otherwise kept drafting long into a short answer from a
+        document, whose first rejections hardly moved thousands of counts (docs/free_drafts.md)."""
+        for c in classes:
+            n = self._seen[c].sum()
+            if n > n_max:
+                for arr in (self._acc, self._seen, self._asked, self._got):
+                    arr[c] *= n_max / n
+
     def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float, c: int,
                 rng: np.random.Generator | None = None) -> np.ndarray:
         """Per-position Beta posterior means for class c, shrunk towards the class's pooled mean,

@@ -114,6 +114,7 @@ class TunerSettings:
     thompson: bool = True           # draw the class's pooled acceptance from its posterior each cycle
     switch_on_z: float = 1.0        # switching on needs the win at acceptance this many posterior sds below the mean
     warmup_gamma: int = 0           # gamma of the warm-up cycles; 0: the one the cost curve favours
+    free_memory: float = 16.0       # verified positions a free class's counts weigh at a generation's start
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha_prior < 1 or not 0 < self.supply_prior <= 1:
@@ -130,8 +131,7 @@ class TunerSettings:
             raise InvalidArgument(f"need warmup_cycles >= 0, warmup_total >= 0 and warmup_gamma >= 0, "
                                   f"got {self.warmup_cycles}, {self.warmup_total}, {self.warmup_gamma}")
         if self.explore_every < 1 or self.explore_max < self.explore_every:
-            raise InvalidArgument(f"need 1 <= explore_every <= explore_max, "
-                                  f"got {self.explore_every}, {self.explore_max}")
+            raise InvalidArgument(f"need 1 <= explore_every <= explore_max, got {self.explore_every}, {self.explore_max}")
 
 
 class GammaTuner(AcceptanceModel, CycleCostModel):
@@ -328,6 +328,10 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         self._last = 0
         self._exploring = False
         self._lowered = True
+
+    def begin_generation(self) -> None:
+        """A generation starts (generate()): the free classes' counts weigh at most free_memory positions."""
+        self.soften(range(self.free_classes), self.settings.free_memory)
 
     def lower(self, g: int) -> None:
         """The cycle just chosen runs with g < choose()'s gamma for a reason of the caller's (BatchedGamma:
