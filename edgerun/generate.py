@@ -454,12 +454,9 @@ def _contexts(committed: list[int], draft: list[int]) -> list[list[int]]:
 
 
 class _EvalAhead:
-    """Decoding on a backend that can evaluate in the background (a lone sequence of a batching group): where
-    the next cycle will not draft, its evaluation of [pending, *forced run] begins before this cycle's Steps
-    are yielded, so what the consumer does with a token (the server's hand-off, stop checks) runs beside the
-    evaluation instead of before it. With a drafter, the next cycle's gamma is chosen here, right after this
-    cycle, with the tokens it commits (what the drafter and the policy would see a moment later). Wraps the
-    loop's cycle(); the next cycle's evaluation takes the result."""
+    """On a backend that evaluates in the background (a lone sequence of a batching group), a next cycle that
+    will not draft (its gamma chosen here, right after this cycle) has its evaluation of [pending, *forced run]
+    begun before this cycle's Steps are yielded: the consumer's work on a token runs beside it. Wraps cycle()."""
 
     def __init__(self, loop: _Loop, begin_eval: Callable) -> None:
         self.loop, self.begin_eval = loop, begin_eval
@@ -474,8 +471,10 @@ class _EvalAhead:
             if not loop.is_eog(new[-1]) and n_after < loop.limit and n_after <= loop.target.n_ctx:
                 if loop.drafter is not None:   # asked of the committed list itself, as the cycle would (drafters
                     loop.committed.extend(new)     # index it by identity), then trimmed back for commit()
-                    loop.next_gamma = loop.draft_length(loop.target.n_ctx - n_after, loop.committed)
-                    del loop.committed[-len(new):]
+                    try:
+                        loop.next_gamma = loop.draft_length(loop.target.n_ctx - n_after, loop.committed)
+                    finally:
+                        del loop.committed[-len(new):]
                     if loop.next_gamma > 0:
                         return out
                 # the next cycle evaluates new[n_acc:] = [nxt, *run] (the accepted drafts are in the cache)
