@@ -5,6 +5,7 @@ test, not a dead pytest) or the real CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import json as _json
 import os
@@ -227,10 +228,10 @@ def _loader(tiny_llama, holder):
     return go
 
 
-def test_a_flooding_client_gives_way_to_another_in_a_full_queue(tiny_llama):
-    """12 requests of one client fill the slot and the queue; a request of another client (a Unix user on
-    loopback) evicts the flooder's newest waiting one instead of getting 503; the flooder alone still
-    gets 503 as before."""
+@contextlib.contextmanager
+def _flooded(tiny_llama):
+    """An in-process server whose slot is held at the gate and whose queue (3) is full, all from client
+    ('uid', 1234): yields (server, the held runtime, the scheduler, the flooder's jobs)."""
     holder: dict = {}
     with InProcessServer(ServerConfig(model=str(tiny_llama), queue=3), _loader(tiny_llama, holder)) as srv:
         wait_until(lambda: srv.state.scheduler.ready.is_set(), what="ready")
@@ -240,6 +241,26 @@ def test_a_flooding_client_gives_way_to_another_in_a_full_queue(tiny_llama):
         _hold_and_queue(srv, rt, 1, 3, ("uid", 1234), flood)
         assert rt.entered.acquire(timeout=30)
         wait_until(lambda: sch.depth == 3, what="queue full")
+        yield srv, rt, sch, flood
+
+
+def _ask_as_self(srv, model: str, out: dict) -> threading.Thread:
+    """A one-token completion from this process's own Unix user (another client), on a thread: out['r']."""
+    def ask():
+        out["r"] = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": "y", "max_tokens": 1},
+                              timeout=60)
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    wait_until(lambda: any(j.client == ("uid", os.getuid()) for j in list(srv.state.scheduler._waiting)),
+               what="admitted")
+    return t
+
+
+def test_a_flooding_client_gives_way_to_another_in_a_full_queue(tiny_llama):
+    """12 requests of one client fill the slot and the queue; a request of another client (a Unix user on
+    loopback) evicts the flooder's newest waiting one instead of getting 503; the flooder alone still
+    gets 503 as before."""
+    with _flooded(tiny_llama) as (srv, rt, sch, flood):
         from edgerun.serve.scheduler import Job, QueueFull
         import asyncio
 
@@ -249,13 +270,7 @@ def test_a_flooding_client_gives_way_to_another_in_a_full_queue(tiny_llama):
             asyncio.run_coroutine_threadsafe(flood_more(), srv.state.loop).result(10)
         # the test process's own uid is another client: it takes the flooder's newest place
         out: dict = {}
-
-        def ask():
-            out["r"] = httpx.post(srv.url + "/v1/completions", json={"model": str(tiny_llama), "prompt": "y",
-                                                                      "max_tokens": 1}, timeout=60)
-        t = threading.Thread(target=ask, daemon=True)
-        t.start()
-        wait_until(lambda: any(j.client == ("uid", os.getuid()) for j in list(sch._waiting)), what="admitted")
+        t = _ask_as_self(srv, str(tiny_llama), out)
         assert sum(j.client == ("uid", 1234) for j in sch._waiting) == 2
         evicted = flood[-1]
         wait_until(lambda: evicted.stop_reason == "evicted", what="eviction")

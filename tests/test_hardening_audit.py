@@ -245,6 +245,7 @@ def test_a_hub_config_nested_deep_or_not_an_object_is_one_line(tmp_path, monkeyp
 
     from edgerun.cli import main
     from hubstandin import Server, StandIn
+    from test_hub import _use_standin
 
     d = tmp_path / "repo"
     shutil.copytree(FIX / "awq-gemm-llama", d, ignore=shutil.ignore_patterns("dequant.npz"))
@@ -252,11 +253,7 @@ def test_a_hub_config_nested_deep_or_not_an_object_is_one_line(tmp_path, monkeyp
     hub_ = StandIn()
     hub_.add("tiny/bad-config", d)
     with Server(hub_) as url:
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        _use_standin(monkeypatch, url, tmp_path)
         r = CliRunner().invoke(main, ["pull", "hf:tiny/bad-config"])
     assert r.exit_code == 2, (r.output, r.exception)
     last = r.stderr.strip().splitlines()[-1]
@@ -288,33 +285,13 @@ def test_a_client_admitted_into_a_flooded_queue_is_served_before_the_flood(tiny_
     """The flooding client of tests/test_hardening.py (one generation held, the queue full of its requests):
     another client's request takes the newest flooder's place, and it is also the next to start, not the
     last (the issue's legitimate client was admitted and then waited behind the whole flood)."""
-    import asyncio
-    import os
-    import threading
-
     from edgerun.request import Request
-    from edgerun.serve.scheduler import Job
-    from edgerun.serve.settings import ServerConfig
-    from server_harness import InProcessServer, wait_until
-    from test_hardening import _hold_and_queue, _loader
+    from server_harness import wait_until
+    from test_hardening import _ask_as_self, _flooded
 
-    holder: dict = {}
-    with InProcessServer(ServerConfig(model=str(tiny_llama), queue=3), _loader(tiny_llama, holder)) as srv:
-        wait_until(lambda: srv.state.scheduler.ready.is_set(), what="ready")
-        wait_until(lambda: srv.state.loop is not None, what="loop")
-        rt, sch = holder["rt"], srv.state.scheduler
-        flood: list = []
-        _hold_and_queue(srv, rt, 1, 3, ("uid", 1234), flood)
-        assert rt.entered.acquire(timeout=30)
-        wait_until(lambda: sch.depth == 3, what="queue full")
+    with _flooded(tiny_llama) as (srv, rt, sch, flood):
         out: dict = {}
-
-        def ask():
-            out["r"] = httpx.post(srv.url + "/v1/completions", json={"model": str(tiny_llama), "prompt": "y",
-                                                                      "max_tokens": 1}, timeout=60)
-        t = threading.Thread(target=ask, daemon=True)
-        t.start()
-        wait_until(lambda: any(j.client == ("uid", os.getuid()) for j in list(sch._waiting)), what="admitted")
+        t = _ask_as_self(srv, str(tiny_llama), out)
         rt.gate.set()
         t.join(60)
         assert out["r"].status_code == 200, out["r"].text

@@ -83,17 +83,22 @@ def _rename_arch(path: Path) -> None:
     path.write_bytes(data[:i] + b"zzzzz" + data[i + 5:])
 
 
+def _use_standin(monkeypatch, url: str, tmp_path: Path) -> None:
+    """Point the hub client at a stand-in server, with a fresh edgerun home and hub cache and no token."""
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
 @pytest.fixture
 def standin(repos, tmp_path, monkeypatch):
     hub_ = StandIn()
     for repo_id, folder in repos.items():
         hub_.add(repo_id, folder, gated_token=TOKEN if "gated" in repo_id else None)
     with Server(hub_) as url:
-        monkeypatch.setenv("HF_ENDPOINT", url)
-        monkeypatch.setenv("EDGERUN_HOME", str(tmp_path / "home"))
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        _use_standin(monkeypatch, url, tmp_path)
         yield hub_
 
 
