@@ -336,6 +336,16 @@ class Runtime:
         if self.drafter is not None and hasattr(self.drafter, "reset"):
             self.drafter.reset()
 
+    def idle(self) -> None:
+        """Nothing is generating now and may not for a while (a server with no job running or waiting, chat
+        waiting for its user): start the work that helps long runs only -- the backends' huge-page collapse
+        (util/hugepages.py) -- on its own thread. Once per backend; a one-shot command never calls it."""
+        model = model_part(self.drafter) if self.drafter is not None else None
+        for backend in (self.target, model.backend if model is not None else None):
+            pending = getattr(backend, "huge", None)
+            if pending is not None:
+                pending.start()
+
     def close(self) -> None:
         if self.drafter is not None:
             self.drafter.close()

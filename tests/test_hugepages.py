@@ -110,6 +110,7 @@ def test_llamacpp_backend_puts_what_it_loaded_on_huge_pages_with_the_same_logits
             toks = b.tokenizer.tokenize("the cat is on the mat and the dog is", add_bos=False)
             outs[huge] = b.eval(toks)
             if huge:
+                assert not b.huge.started               # a short run: not started by its evaluations
                 assert b.huge.settle() >= MB2           # the 4096-position KV cache at least, after that
                 assert b.huge_bytes >= MB2
             else:
@@ -118,3 +119,36 @@ def test_llamacpp_backend_puts_what_it_loaded_on_huge_pages_with_the_same_logits
             b.close()
     assert BackendArgs().huge_pages is True
     np.testing.assert_array_equal(outs[True], outs[False])
+
+
+@needs_collapse
+def test_the_collapse_starts_when_the_runtime_is_idle_or_the_run_grows_long(tiny_llama, monkeypatch):
+    """A short run's evaluations leave the collapse alone (it would share their CPU); Runtime.idle() starts it,
+    and so do HUGE_PAGES_AFTER evaluations."""
+    from edgerun.backends import llamacpp
+    from edgerun.runtime import Runtime
+
+    monkeypatch.setattr(llamacpp, "HUGE_PAGES_AFTER", 3)
+    args = BackendArgs(n_ctx=256, n_threads=1, n_batch=16)
+    b = LlamaCppBackend(tiny_llama, args)
+    try:
+        toks = b.tokenizer.tokenize("the cat is on the mat", add_bos=False)
+        b.eval(toks)
+        b.eval(toks[:1])
+        assert not b.huge.started
+        b.eval(toks[:1])
+        assert b.huge.started
+        assert b.huge.settle() >= MB2
+    finally:
+        b.close()
+    monkeypatch.setattr(llamacpp, "HUGE_PAGES_AFTER", 100)
+    b = LlamaCppBackend(tiny_llama, args)
+    try:
+        rt = Runtime(b, model_name="tiny")
+        rt.generate("the cat", max_tokens=2, temperature=0)
+        assert not b.huge.started
+        rt.idle()
+        assert b.huge.started
+        b.huge.settle()
+    finally:
+        b.close()

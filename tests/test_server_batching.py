@@ -46,6 +46,8 @@ def test_concurrent_requests_are_batched_and_each_equals_its_answer_alone(tiny_l
         assert metric(srv.url, "edgerun_slots") == 4
         assert metric(srv.url, "edgerun_batch_rows_total") > metric(srv.url, "edgerun_batch_steps_total") > 0
         assert 0 < metric(srv.url, "edgerun_batch_eval_seconds_total") == pytest.approx(group.eval_s)
+        # nothing runs or waits now: the huge-page collapse, kept out of the requests' way, starts
+        wait_until(lambda: srv.state.scheduler.runtime.target.huge.started, what="the collapse at idle time")
 
 
 def test_a_gap_a_finished_job_leaves_is_closed_by_moving_a_running_sequence(tiny_llama):

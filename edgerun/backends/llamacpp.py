@@ -45,6 +45,12 @@ class SeqState:
         return len(self.data) + 8 * len(self.tokens)
 
 
+# evaluations after which a busy backend collapses its memory into huge pages without waiting for idle time:
+# the collapse took 1.5 s of CPU for Qwen2.5-1.5B here and a 16-token one-shot shared its 2 cores with it
+# (1.0-1.9 s slower); the gain per step is ~1% on Zen 3 (docs/decode.md), more where TLBs are small
+HUGE_PAGES_AFTER = 512
+
+
 def default_threads() -> int:
     import psutil
 
@@ -94,9 +100,11 @@ class LlamaCppBackend(CachedTokens):
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         # repacked weights, KV cache and compute buffers are anonymous memory: on 2 MiB pages a decode step
         # costs fewer TLB misses (docs/decode.md, "Huge pages"); mmap'd file pages are left as they are. The
-        # collapse starts after the first evaluation, on a thread of its own: it helps long runs only, and a
-        # one-shot command's first token need not wait for it
+        # collapse helps long runs only and costs a second or more of CPU that a short run's decoding would
+        # share: it starts when the process is idle (Runtime.idle: a server between requests, chat waiting
+        # for its user) or once this backend has run HUGE_PAGES_AFTER evaluations, on a thread of its own
         self.huge = hugepages.Pending(before, self.path.name, "llama.cpp's model and KV memory") if before else None
+        self.n_evals = 0
         self.n_vocab: int = self.tokenizer.n_vocab
         self.weight_bytes: int = int(L.llama_model_size(self._model.ptr))
         self.n_params: int = int(L.llama_model_n_params(self._model.ptr))
@@ -128,7 +136,8 @@ class LlamaCppBackend(CachedTokens):
         checked already (check_eval); a sequence appears at most once. A context of several sequences
         evaluates on the engine thread (on_engine), one of one sequence on the calling thread."""
         out = on_engine(self._eval_rows, rows) if self.n_seq > 1 else self._eval_rows(rows)
-        if self.huge is not None:
+        self.n_evals += 1
+        if self.huge is not None and self.n_evals >= HUGE_PAGES_AFTER:
             self.huge.start()
         return out
 

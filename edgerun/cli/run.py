@@ -150,6 +150,8 @@ def chat(model, draft, gamma, profile_name, n_ctx, n_threads, n_gpu_layers, no_p
         click.echo(f"edgerun chat - {rt.model_name}" + (f" (draft: {rt.draft_name})" if rt.draft_name else "")
                    + ". /reset /stats /exit; Ctrl-C stops an answer, Ctrl-D quits.", err=True)
         while True:
+            if sys.stdin.isatty():
+                rt.idle()              # a person types: work for long runs only (huge pages) may run meanwhile
             try:
                 line = input(">>> ")
             except EOFError:

@@ -302,6 +302,9 @@ class Scheduler:
                     with self._cond:               # the slot is free once its job's end is recorded
                         self._running.remove(job)
                         self._idle.add(slot)
+                        idle = not self._running and not self._waiting
+                    if idle and hasattr(self.runtime, "idle"):
+                        self.runtime.idle()         # nothing runs: work for long runs only may start now
                 if group is not None:
                     self._compact(group)
             finally:

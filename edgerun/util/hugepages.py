@@ -101,9 +101,10 @@ def collapse_new_memory(before: dict[int, tuple[int, bool]], what: str, kind: st
 
 
 class Pending:
-    """The memory a load added, collapsed later: off the path to the first token. `start()` collapses it on a
-    thread of its own (once; later calls do nothing), `settle()` on this thread and returns the bytes. A
-    one-shot command that ends before the thread is done loses nothing but the thread's work."""
+    """The memory a load added, collapsed later: off the path to the first token and out of a short run's way
+    (the backend starts it when the process is idle or its run grew long). `start()` collapses it on a thread
+    of its own (once; later calls do nothing), `settle()` on this thread and returns the bytes. A process
+    that ends before the thread is done loses nothing but the thread's work."""
 
     def __init__(self, before: dict[int, tuple[int, bool]], what: str, kind: str) -> None:
         self._args = (before, what, kind)
@@ -111,6 +112,10 @@ class Pending:
         self._started = False
         self._finished = threading.Event()
         self.done = 0
+
+    @property
+    def started(self) -> bool:
+        return self._started
 
     def start(self) -> None:
         with self._lock:
