@@ -337,9 +337,8 @@ class Runtime:
             self.drafter.reset()
 
     def idle(self) -> None:
-        """Nothing is generating now and may not for a while (a server with no job running or waiting, chat
-        waiting for its user): start the work that helps long runs only -- the backends' huge-page collapse
-        (util/hugepages.py) -- on its own thread. Once per backend; a one-shot command never calls it."""
+        """Nothing generates now (a server with no job, chat waiting for its user): start the backends' huge-page
+        collapse (util/hugepages.py), which helps long runs only, on its own thread. A one-shot never calls it."""
         model = model_part(self.drafter) if self.drafter is not None else None
         for backend in (self.target, model.backend if model is not None else None):
             pending = getattr(backend, "huge", None)
