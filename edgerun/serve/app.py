@@ -28,7 +28,8 @@ from .handling import _require_ready
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import APIError
 from .settings import ServerConfig
-from .state import _State, _drafter_dict, _gpu_dict, default_loader
+from .loading import default_loader
+from .state import _State, _drafter_dict, _gpu_dict
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ from ..device.detect import resolve as resolve_profile
 from ..errors import ClusterError, EdgerunError, ModelNotFound
 from ..registry.manifest import get_manifest
 from ..resolve import resolve_model
-from .app import create_app
-from .state import _State
+from .loading import LoadAhead, default_loader
 from .settings import ServerConfig, is_loopback
 
 
@@ -191,9 +190,13 @@ def serve(config: ServerConfig, *, load: Callable[[], Any] | None = None, log_le
         except BindError:
             sock.close()
             raise
+    if load is None:                             # the models load while the web stack below imports
+        load = LoadAhead(default_loader(config))
+    from .app import create_app
+
     holder: dict = {}
     app = create_app(config, load=load, request_exit=lambda: setattr(holder["server"], "should_exit", True))
-    state: _State = app.state.edgerun
+    state = app.state.edgerun
     probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     state.bound = (probe_host, port)
     uv_config = uvicorn.Config(app, host=config.host, port=port, log_config=None, log_level=log_level,

@@ -1,5 +1,5 @@
 """What the server's handlers share (_State, on app.state.edgerun): the config, the scheduler, the metrics,
-the model's names and integrity; and how the models are loaded (default_loader)."""
+the model's names and integrity (how the models are loaded: loading.py)."""
 
 from __future__ import annotations
 
@@ -149,39 +149,3 @@ def _drafter_dict(runtime) -> dict | None:
     from ..speculative.lazy import describe
 
     return describe(getattr(runtime, "drafter", None))
-
-
-def default_loader(config: ServerConfig) -> Callable[[], Any]:
-    def load():
-        from ..runtime import load as load_runtime
-
-        opts = {k: v for k, v in dict(n_ctx=config.n_ctx, n_threads=config.n_threads, gamma=config.gamma).items()
-                if v is not None}
-        opts["parallel"] = config.parallel          # None: the device profile's
-        opts["require_gpu"] = config.require_gpu
-        opts["draft_background"] = True             # ready once the target answers (speculative/lazy.py)
-        if config.rpc:
-            opts.update(rpc=list(config.rpc), tensor_split=list(config.tensor_split) or None,
-                        on_lost_worker=_exit_lost_worker)
-        opts.update(config.load_opts)
-        return load_runtime(config.model, draft=config.draft, profile=config.profile, pull=config.pull, **opts)
-    return load
-
-
-EXIT_LOST_WORKER = 3
-
-
-def _exit_lost_worker(endpoints, msg: str = "") -> None:
-    """The abort hook of a server whose target is split over RPC workers: ggml met a dead worker in the
-    middle of a step and cannot continue. Log the worker's name and exit (systemd's Restart= brings the
-    service back; its start-up check waits for the worker)."""
-    import os
-
-    from ..cluster.rpc import describe_loss
-
-    text = describe_loss(endpoints, msg)
-    log.error("%s; exiting with status %d (systemd restarts the service)", text, EXIT_LOST_WORKER)
-    service.notify(f"STATUS={text}")
-    for h in logging.getLogger().handlers:
-        h.flush()
-    os._exit(EXIT_LOST_WORKER)
