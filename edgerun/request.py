@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from .config import SamplingArgs, parse_gamma
+from .constrain.base import Constraint
 from .constrain.grammar import Grammar, grammar_from_options
 from .constrain.tools import Tool, ToolChoice, parse_tool_choice, parse_tools, special_tag_ids, tool_grammar
 from .errors import InvalidArgument
@@ -154,3 +155,17 @@ def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         if len(s) > MAX_STOP_CHARS:
             raise InvalidArgument(f"each 'stop' string may be at most {MAX_STOP_CHARS} characters", param="stop")
     return tuple(s for s in stops if s)
+
+
+@dataclass
+class Plan:
+    """What a request becomes before any token is generated: the prompt's tokens, the compiled grammar
+    (of a JSON schema, a grammar, or the tools' calls) and the structure, to read tool calls back with."""
+
+    prompt_tokens: list[int]
+    constraint: Constraint | None = None
+    structure: Structure = field(default_factory=Structure)
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.structure.reads_calls

@@ -24,11 +24,11 @@ from .device.memory import check_memory_fit
 from .engine.batch import BatchGroup
 from .errors import ContextOverflow, InvalidArgument, MemoryBudgetError
 from .generate import GenStats, Step, generate
-from .request import Request, Structure, check_sampling
+from .request import Plan, Request, Structure, check_sampling
 from .speculative.combined import SuffixOrModel, model_part
 from .speculative.drafters import make_drafter
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
-from .speculative.lazy import plan as draft_plan
+from .speculative.lazy import SlotDrafters, joining, plan as draft_plan
 from .speculative.tuner_store import TunerStore, regime
 
 log = logging.getLogger(__name__)
@@ -57,20 +57,6 @@ class Completion:
         if self.tool_calls:
             d.update(tool_calls=self.tool_calls, content=self.content)
         return d
-
-
-@dataclass
-class Plan:
-    """What a request becomes before any token is generated: the prompt's tokens, the compiled grammar
-    (of a JSON schema, a grammar, or the tools' calls) and the structure, to read tool calls back with."""
-
-    prompt_tokens: list[int]
-    constraint: Constraint | None = None
-    structure: Structure = field(default_factory=Structure)
-
-    @property
-    def reads_calls(self) -> bool:
-        return self.structure.reads_calls
 
 
 @dataclass(frozen=True)
@@ -109,6 +95,7 @@ class Runtime:
         self.last_stats: GenStats | None = None
         self.session_stats = GenStats()
         self.group = None            # the BatchGroup of a slot (slots()): its decode loop runs batched
+        self.joining = None          # a slot's SlotDrafters while the server's drafter loads (speculative/lazy.py)
 
     @property
     def n_ctx(self) -> int:
@@ -210,6 +197,8 @@ class Runtime:
     # -- the decode loop ----------------------------------------------------------------------
     def _loop(self, g: Generation) -> Iterator[Step]:
         """The decode loop's generator for one generation (nothing runs until it is iterated)."""
+        if self.joining is not None:
+            self.joining.attach_if_quiet()      # before the drafter is read: a loaded one joins when all is quiet
         rng = np.random.default_rng(g.sampling.seed)
         batched = self.group is not None and isinstance(g.policy, GammaTuner)
         # in a batch of several sequences, drafts only where they still pay (speculative/gamma.py)
@@ -305,10 +294,14 @@ class Runtime:
             raise InvalidArgument(f"the drafter's context holds {getattr(draft_be, 'n_seq', 1)} sequences but the "
                                   f"target's {n}; load both with the same parallel")
         group = BatchGroup([b for b in (draft_be, self.target) if b is not None])
+        lazy = joining(self.drafter)            # a server's drafter loading on its thread joins the slots later
+        later = SlotDrafters(lazy, group) if lazy is not None else None
         out = []
         for i in range(n):
             drafter = None
-            if self.drafter is not None:
+            if later is not None:
+                drafter = later.placeholder(self.drafter)
+            elif self.drafter is not None:
                 drafter = copy.copy(self.drafter)
                 if draft_be is not None:
                     model_part(drafter).backend = group.view(draft_be, i)
@@ -317,8 +310,10 @@ class Runtime:
             slot = Runtime(group.view(self.target, i), model_name=self.model_name, drafter=drafter,
                            draft_name=self.draft_name, profile=self.profile, spec=self.spec, policy=policy,
                            sampling=self.sampling, tuner_store=self.tuner_store)
-            slot.group = group
+            slot.group, slot.joining = group, later
             out.append(slot)
+        if later is not None:
+            later.slots = out
         return out
 
     def batch_views(self) -> list:

@@ -199,3 +199,61 @@ def test_serve_is_ready_while_the_drafter_loads(learned, smol, draft_file, tmp_p
     finally:
         gate.touch()
         assert srv.terminate() == 0
+
+
+def test_a_batching_server_is_ready_while_the_drafter_loads_and_its_slots_take_it_after(learned, smol, draft_file,
+                                                                                     tmp_path):
+    """--parallel 2: ready with the target alone while the drafter loads (held at the gate); the answers are the
+    same; once it is loaded, the next request (nothing else running) gives both slots their views of it at once,
+    and they draft with it."""
+    home, first, _, _ = learned
+    on = tmp_path / "home-on"
+    shutil.copytree(home, on)
+    for p in _state_paths(on):
+        doc = json.loads(p.read_text())
+        doc["_current"] = [1, 1, 1, 1]
+        p.write_text(json.dumps(doc))
+    gate = tmp_path / "gate"
+    srv = ServerProcess(["--model", smol, "--draft", draft_file, *ARGS, "--parallel", "2"],
+                        env=clean_env(on, EDGERUN_TEST_DRAFT_LOAD_GATE=str(gate)))
+    try:
+        srv.wait_ready(120)
+        assert _health(srv.url)["drafter"]["state"] == "loading"
+        assert _complete(srv.url, smol)["choices"][0]["text"] == first["text"]
+        gate.touch()
+        wait_until(lambda: _health(srv.url)["drafter"]["state"] == "loaded", 120, "the drafter loaded")
+        assert _complete(srv.url, smol)["choices"][0]["text"] == first["text"]
+        srv.wait_for_line(r"drafter .* joined the 2 generation slots", 10)
+    finally:
+        gate.touch()
+        assert srv.terminate() == 0
+
+
+def test_batching_slots_draft_with_a_drafter_that_joined_them(learned, smol, draft_file, tmp_path, monkeypatch):
+    """The same through the Python API, with a fixed gamma so that the slots must draft: before the drafter
+    joins they cannot (no model drafts, the same text), after it both slots draft through their own views."""
+    from edgerun.runtime import load
+    from edgerun.speculative.drafters import ModelDrafter
+    from edgerun.speculative.lazy import GATE_ENV
+
+    home, first, _, _ = learned
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))
+    with _Home(home):
+        rt = load(str(smol), draft=str(draft_file), profile="generic-x86_64-cpu", n_threads=1, n_ctx=256,
+                  parallel=2, draft_background=True, pull=False)
+    try:
+        slots = rt.slots()
+        before = slots[1].generate(PROMPT, max_tokens=16, temperature=0, gamma=2)
+        assert (before.text, before.stats.n_drafted) == (first["text"], 0)
+        gate.touch()
+        wait_until(lambda: rt.drafter.loaded is not None, 120, "the drafter loaded")
+        for slot in slots:
+            after = slot.generate(PROMPT, max_tokens=16, temperature=0, gamma=2)
+            assert after.text == first["text"]
+            assert after.stats.n_drafted > 0 and isinstance(slot.drafter, ModelDrafter)
+        assert [s.drafter.backend.seq for s in slots] == [0, 1]       # a view each, of the drafter's one context
+        assert rt.drafter.loaded.backend in slots[0].group.backends
+    finally:
+        gate.touch()
+        rt.close()

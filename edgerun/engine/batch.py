@@ -99,6 +99,13 @@ class BatchGroup:
     def view(self, backend, seq: int) -> "SeqBackend":
         return SeqBackend(self, backend, seq)
 
+    def add_backend(self, backend) -> None:
+        """A backend joins the group first in priority (a drafter loaded after the slots were made:
+        speculative/lazy.py SlotDrafters). Only while no member runs: the caller checks alone_now()."""
+        with self._cond:
+            self.backends.insert(0, backend)
+            self._pending[id(backend)] = []
+
     def begin_admission(self) -> None:
         """This thread is placing a job on a free slot (tokenizing, restoring a cached prefix): the next
         batch waits for its first rows until ADMIT_GRACE_S after this call, so the prompts of a burst of

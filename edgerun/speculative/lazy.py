@@ -12,8 +12,11 @@ state), whether the drafter can start unloaded:
   tuner learns no load time as draft time.
 - loading (a server only): the state says it drafts; the server answers with the target alone while the
   drafter loads on a thread of its own, and drafts from the cycle after it is loaded.
+- joining (a batching server, --parallel above 1): loading on a thread whatever the state says (a batch cannot
+  wait for a load); the slots draft from their suffix part meanwhile and get their views of the drafter's
+  multi-sequence context together, at a moment no generation runs (SlotDrafters).
 - eager (`plan()` returns None): nothing cached for the pair yet (its first run measures the drafter's step),
-  a fixed gamma, a batching server (its slots share the drafter's multi-sequence context), a directory model.
+  a fixed gamma, batching slots outside a server (Runtime.slots of load(parallel=N)), a directory model.
 
 Exactness: an unloaded drafter's hint is the same margin class a loaded one gives (the target's logits decide
 it) and its lag is the whole context, as a loaded drafter's that has not drafted yet; so while deferred the
@@ -24,6 +27,7 @@ those cycles run plain, and `describe()` (the `--json` stats' and /health's `dra
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -166,6 +170,76 @@ class LazyDrafter:
             self._real.close()
 
 
+class Awaiting:
+    """A batching slot's model part while the shared drafter loads on its thread: no model drafts (hint None, as
+    a LazyDrafter's while loading), so the slot drafts from its suffix part only. SlotDrafters replaces it."""
+
+    n_classes = ModelDrafter.n_classes
+    vocab_fingerprint = None
+    deferred = False
+
+    def __init__(self, lazy: LazyDrafter) -> None:
+        self.name, self.weight_bytes = lazy.name, lazy.weight_bytes
+
+    def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> None:
+        return None
+
+    def lag(self, context: Sequence[int]) -> int:
+        return max(len(context), 1)
+
+    def propose(self, context, gamma, sampling, rng, constraint=None) -> tuple[list[int], None]:
+        return [], None
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def joining(drafter) -> LazyDrafter | None:
+    """The LazyDrafter a drafter holds (itself or a SuffixOrModel's model part), else None."""
+    inner = drafter.model if isinstance(drafter, SuffixOrModel) else drafter
+    return inner if isinstance(inner, LazyDrafter) else None
+
+
+class SlotDrafters:
+    """The model drafter of a batching server's slots (--parallel above 1) when it loads after them: ready without
+    it (plan(), background). Until it is loaded every slot's model part is an Awaiting; at the first generation
+    start after that with no other generation running or being placed (BatchGroup.alone_now), the drafter's
+    multi-sequence backend joins the group and every slot gets its own view of it at once, so the slots' views
+    always pair (BatchGroup.move). Under a load that never pauses, the slots go on with suffix drafts only."""
+
+    def __init__(self, lazy: LazyDrafter, group) -> None:
+        self.lazy, self.group = lazy, group
+        self.slots: list = []              # the slots' Runtimes (Runtime.slots appends them)
+        self.attached = False
+        self._lock = threading.Lock()
+
+    def placeholder(self, drafter):
+        return SuffixOrModel(Awaiting(self.lazy)) if isinstance(drafter, SuffixOrModel) else Awaiting(self.lazy)
+
+    def attach_if_quiet(self) -> None:
+        """Called by a slot as a generation starts (Runtime._loop), before its drafter is read."""
+        real = self.lazy.loaded
+        if real is None or self.attached:
+            return
+        with self._lock:
+            if self.attached or not self.group.alone_now():
+                return
+            self.group.add_backend(real.backend)
+            for i, slot in enumerate(self.slots):
+                model = copy.copy(real)
+                model.backend = self.group.view(real.backend, i)
+                model.reset()
+                if isinstance(slot.drafter, SuffixOrModel):
+                    slot.drafter.model = model
+                else:
+                    slot.drafter = model
+            self.attached = True
+            log.info("drafter %s joined the %d generation slots", self.lazy.name, len(self.slots))
+
+
 def describe(drafter) -> dict | None:
     """The drafter's state for `generate --json` and /health: None without a model drafter."""
     if isinstance(drafter, SuffixOrModel):
@@ -214,7 +288,7 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
     """(LazyDrafter, its GammaTuner, its TunerStore) when the drafter can start unloaded, else None (load it now).
     background: a server: where the state says it drafts, load it on a thread instead of before serving.
     combined: the drafter goes inside a SuffixOrModel (speculative/combined.py): the tuner has its classes."""
-    if draft_path is None or spec.gamma is not None or parallel != 1 or Path(draft_path).is_dir():
+    if draft_path is None or spec.gamma is not None or (parallel != 1 and not background) or Path(draft_path).is_dir():
         return None
     from ..device.costprobe import probe_costs, target_key
     from ..device.cost import CostCurve
@@ -249,7 +323,12 @@ def plan(draft_path: Path | None, target, args: BackendArgs, spec: SpeculativeAr
         return None
     name = str(draft_path)
     said = ", ".join(f"{r}: {'on' if v else 'off'}" for r, v in known.items())
-    if not any(known.values()):
+    if parallel != 1:       # batching slots cannot load it in the middle of a batch: on a thread now, always
+        why = f"the tuner's stored state: {said}; loading beside the target for the {parallel} generation slots, " \
+              f"which answer meanwhile"
+        lazy = LazyDrafter(draft_path, target, args, spec, name=name, key=dk, reason=why)
+        lazy.start_background()
+    elif not any(known.values()):
         why = f"the gamma tuner's stored state for this device and pair drafts no time soon ({said}): loaded at " \
               f"the first cycle that drafts"
         lazy = LazyDrafter(draft_path, target, args, spec, name=name, key=dk, reason=why)
