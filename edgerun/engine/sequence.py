@@ -20,10 +20,13 @@ class SeqBackend:
         self.name = backend.name
         self.n_vocab = backend.n_vocab
         self.n_ctx = backend.n_ctx
-        self.vocab_fingerprint = backend.vocab_fingerprint
         self.weight_bytes = backend.weight_bytes
         self.tokenizer = backend.tokenizer
         self.tokens = backend.seq_tokens(seq)
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        return self.shared.vocab_fingerprint    # on demand: hashing a vocabulary costs 0.1-0.4 s
 
     @property
     def n_past(self) -> int:
