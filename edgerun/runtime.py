@@ -334,7 +334,8 @@ class Runtime:
     def idle(self) -> None:
         """Nothing generates now (a server with no job, chat waiting for its user): start the backends' huge-page
         collapse (util/hugepages.py), which helps long runs only, on its own thread. A one-shot never calls it."""
-        model = model_part(self.drafter) if self.drafter is not None else None
+        lazy = joining(self.drafter)            # a drafter loaded later: its backend, once loaded
+        model = model_part(self.drafter) if lazy is None and self.drafter is not None else lazy and lazy.loaded
         for backend in (self.target, model.backend if model is not None else None):
             pending = getattr(backend, "huge", None)
             if pending is not None:
