@@ -5,7 +5,7 @@ prompt and greedy decoding:
 - `edgerun generate PROMPT -n 16 --temperature 0` against `llama-completion -no-cnv --temp 0 -n 16`: wall
   time, peak RSS, and edgerun's time to first token (`--json` stats: prefill);
 - the floor: `python -c "import numpy, llama_cpp, click"` (the interpreter and the libraries a one-shot
-  needs, llama.cpp's shared libraries included);
+  needs, llama.cpp's shared libraries included), and the server's, with fastapi, uvicorn and pydantic;
 - `edgerun serve` start to /health 200 against `llama-server` (with `-md` where edgerun drafts).
 
 edgerun's bytecode is compiled first (`python -m compileall`), as pip does when it installs the wheel: a
@@ -70,6 +70,9 @@ def main() -> None:
     rows, result = [], {"threads": a.threads, "rounds": a.rounds, "models": {}}
     floor = [peak_of([sys.executable, "-c", "import numpy, llama_cpp, click"])[0] for _ in range(a.rounds)]
     result["floor_s"] = statistics.median(floor)
+    floor = [peak_of([sys.executable, "-c", "import numpy, llama_cpp, click, fastapi, uvicorn, pydantic"])[0]
+             for _ in range(a.rounds)]
+    result["serve_floor_s"] = statistics.median(floor)        # the same with the server's web stack
     for model in a.models.split(","):
         path = resolve_model(model, pull=False)
         draft = default_draft_for(model)
@@ -112,7 +115,8 @@ def main() -> None:
     harness.print_table(["model", "edgerun s", "llama-completion s", "ratio", "added s", "prefill s", "serve ready s",
                          "llama-server s", "ratio", "peak MiB", "llama MiB"], rows,
                         title=f"cold start, medians of {a.rounds} alternating runs; floor (python + numpy + llama_cpp "
-                              f"+ click imports) {result['floor_s']:.2f} s")
+                              f"+ click imports) {result['floor_s']:.2f} s, with fastapi + uvicorn + pydantic "
+                              f"{result['serve_floor_s']:.2f} s")
     print("wrote", harness.write_result(a.out, result))
 
 
