@@ -176,14 +176,20 @@ def test_serve_reports_a_deferred_drafter(learned, smol, draft_file):
         assert srv.terminate() == 0
 
 
-def test_serve_is_ready_while_the_drafter_loads(learned, smol, draft_file, tmp_path):
-    home, first, _, _ = learned
+def _home_where_it_drafts(home: Path, tmp_path: Path) -> Path:
+    """A copy of the learned home whose tuner state has speculation on: a server loads the drafter."""
     on = tmp_path / "home-on"
     shutil.copytree(home, on)
-    for p in _state_paths(on):          # a state in which speculation is on: the server loads the drafter
+    for p in _state_paths(on):
         doc = json.loads(p.read_text())
         doc["_current"] = [1, 1, 1, 1]
         p.write_text(json.dumps(doc))
+    return on
+
+
+def test_serve_is_ready_while_the_drafter_loads(learned, smol, draft_file, tmp_path):
+    home, first, _, _ = learned
+    on = _home_where_it_drafts(home, tmp_path)
     gate = tmp_path / "gate"
     srv = ServerProcess(["--model", smol, "--draft", draft_file, *ARGS, "--parallel", "1"],
                         env=clean_env(on, EDGERUN_TEST_DRAFT_LOAD_GATE=str(gate)))
@@ -207,12 +213,7 @@ def test_a_batching_server_is_ready_while_the_drafter_loads_and_its_slots_take_i
     same; once it is loaded, the next request (nothing else running) gives both slots their views of it at once,
     and they draft with it."""
     home, first, _, _ = learned
-    on = tmp_path / "home-on"
-    shutil.copytree(home, on)
-    for p in _state_paths(on):
-        doc = json.loads(p.read_text())
-        doc["_current"] = [1, 1, 1, 1]
-        p.write_text(json.dumps(doc))
+    on = _home_where_it_drafts(home, tmp_path)
     gate = tmp_path / "gate"
     srv = ServerProcess(["--model", smol, "--draft", draft_file, *ARGS, "--parallel", "2"],
                         env=clean_env(on, EDGERUN_TEST_DRAFT_LOAD_GATE=str(gate)))
