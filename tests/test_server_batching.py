@@ -12,7 +12,7 @@ import pytest
 from edgerun.backends.base import common_prefix
 from edgerun.runtime import load
 from edgerun.serve.settings import ServerConfig
-from server_harness import InProcessServer, Meter, wait_until
+from server_harness import InProcessServer, wait_until
 from server_fixtures import (COMPL, CTX, PARALLEL, assert_error, loader, hold_slots, metric,
                              post_in_thread, raw_request)
 
@@ -70,9 +70,18 @@ def test_a_gap_a_finished_job_leaves_is_closed_by_moving_a_running_sequence(tiny
                                                             "temperature": 0}, out, p))
             assert rt.entered.acquire(timeout=30)
         assert [sch.packing.seq_id(i) for i in range(4)] == [0, 1, 2, 3]
+        # one token per 5 ms in all: the long answers take ~0.5 s, so on a loaded machine they cannot end
+        # before the scheduler's move after the short one (a race the move would lose, leaving the gap)
+        rt.meter = threading.Semaphore(0)
+        done = threading.Event()
+        pacer = threading.Thread(target=lambda: [rt.meter.release() for _ in iter(lambda: done.wait(0.005), True)])
+        pacer.start()
         rt.gate.set()
         for t in threads:
             t.join(60)
+        done.set()
+        pacer.join(10)
+        rt.meter = None
         assert {p: out[p].json()["choices"][0]["text"] for p in prompts} == alone
         assert metric(srv.url, "edgerun_batch_moves_total") == 1
         assert [sch.packing.seq_id(i) for i in range(4)] == [0, 2, 1, 3]
