@@ -10,7 +10,7 @@ from .errors import InvalidArgument
 
 DEFAULT_MODEL = "smollm2-135m-instruct"   # what `edgerun chat` and edgerun.load() run when no model is named
 FIXED_GAMMA = 4   # the draft length of a Runtime built with a drafter but neither a gamma nor a tuner
-GAMMA_LIMIT = 32  # drafting more than this per cycle is never useful and is refused
+GAMMA_LIMIT = 64  # drafting more than this per cycle is refused (a verbatim copy's long drafts reach free_gamma_max)
 MAX_TEMPERATURE = 100.0   # above this every token is equally likely to float precision: refused as a mistake
 MIN_TEMPERATURE = 1e-3    # below this, logits / T overflow float64 for ordinary logits: sampled as greedy
 REPEAT_PENALTY_RANGE = (1e-3, 1e3)   # outside, logits x penalty overflow or vanish
@@ -67,8 +67,9 @@ class SpeculativeArgs:
 
     gamma: int | None = None
     gamma_max: int = 8
-    free_gamma_max: int = 24    # model-free drafts (suffix lookup's match classes) may be this long: a long verbatim
+    free_gamma_max: int = 48    # model-free drafts (suffix lookup's match classes) may be this long: a long verbatim
                                 # match copies far, and verifying many positions in one call is cheap per position
+                                # (docs/free_drafts.md: on a 2-core CPU 33 positions cost ~1.1x 25, 49 ~1.5x)
     p_min: float = 0.0          # drafter stops early when its top probability falls below this
     lookup_ngram_max: int = 3    # prompt-lookup drafter: longest n-gram matched
     lookup_ngram_min: int = 1

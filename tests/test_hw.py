@@ -196,6 +196,7 @@ def test_the_probe_times_long_drafts_sparsely_and_interpolates(tiny_target):
     assert probe_points(9) == list(range(1, 10))
     pts = probe_points(25)
     assert pts[:DENSE] == list(range(1, DENSE + 1)) and pts[-1] == 25 and len(pts) < 25
+    assert probe_points(49) == [*range(1, DENSE + 1), 12, 16, 20, 24, 28, 32, 49]   # sparser past 32
     times = measure_verify_times(tiny_target, n_max=25, reps=2)
     assert times.shape == (2, 25) and (times > 0).all()
     i, j = pts[DENSE], pts[DENSE + 1]                # between two timed points: on the line through them

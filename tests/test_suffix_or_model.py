@@ -242,10 +242,10 @@ def test_draft_auto_with_a_paired_model_is_suffix_or_model(tiny_llama, tmp_path,
 
 
 def test_free_classes_may_draft_longer_than_a_models():
-    """Suffix drafts of a long verbatim match may reach free_gamma_max (24); a model's stay within gamma_max (8)."""
+    """Suffix drafts of a long verbatim match may reach free_gamma_max (48); a model's stay within gamma_max (8)."""
     from edgerun.config import SpeculativeArgs
 
-    assert SpeculativeArgs().limits(None, True) == (24, 8)
+    assert SpeculativeArgs().limits(None, True) == (48, 8)
     assert SpeculativeArgs().limits(None, False) == (8, 8)
     assert SpeculativeArgs(gamma_max=4, free_gamma_max=12).limits(None, True) == (12, 4)
     # a curve whose cost per position falls with n (batched verification: matrix-matrix work), as a CPU's does

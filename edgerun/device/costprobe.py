@@ -106,17 +106,19 @@ def measure_verify_times(target, *, n_max: int = N_MAX, reps: int = 3, context: 
     return np.stack([np.interp(np.arange(1, n_max + 1), points, row) for row in times])   # [reps, n_max]
 
 
-DENSE = 10      # the probe times every n up to this; past it every STRIDE-th (interpolated between)
+DENSE = 10      # the probe times every n up to this; past it every STRIDE-th up to FAR, then every FAR_STRIDE-th
 STRIDE = 4
+FAR, FAR_STRIDE = 32, 16
 
 
 def probe_points(n_max: int) -> list[int]:
-    """The n the probe times: 1..DENSE, then every STRIDE-th up to n_max (and n_max): long drafts (suffix lookup's,
-    up to SpeculativeArgs.free_gamma_max) need the curve far out, where it is smooth, and timing every n there would
-    add seconds to a first start."""
+    """The n the probe times: 1..DENSE, then every STRIDE-th up to FAR, every FAR_STRIDE-th past it, and n_max
+    (interpolated between): long drafts (suffix lookup's, up to SpeculativeArgs.free_gamma_max) need the curve far
+    out, where it is smooth, and timing every n there would add seconds to a first start."""
     pts = list(range(1, min(n_max, DENSE) + 1))
-    pts += list(range(DENSE + STRIDE, n_max, STRIDE))
-    if n_max > DENSE:
+    pts += list(range(DENSE + STRIDE // 2, min(n_max, FAR + 1), STRIDE))
+    pts += list(range(FAR + FAR_STRIDE, n_max - FAR_STRIDE // 2, FAR_STRIDE))
+    if n_max > DENSE and pts[-1] != n_max:
         pts.append(n_max)
     return pts
 

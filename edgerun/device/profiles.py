@@ -21,7 +21,7 @@ import psutil
 
 from ..util import strict_yaml
 from ..util.resources import data_dir
-from ..config import BackendArgs
+from ..config import GAMMA_LIMIT, BackendArgs
 from ..errors import EdgerunError, InvalidArgument, ProfileError
 
 
@@ -235,8 +235,8 @@ def _validate(p: DeviceProfile, path: Path) -> None:
         raise ProfileError(f"{path}: match.mem_gib must be [low, high], got {list(p.match.mem_gib)}")
     if p.priors.compute not in ("cpu", "cuda", "metal"):
         raise ProfileError(f"{path}: priors.compute must be cpu, cuda or metal, got {p.priors.compute!r}")
-    if not 1 <= p.gamma_max <= 32:
-        raise ProfileError(f"{path}: gamma_max must be in 1..32, got {p.gamma_max}")
+    if not 1 <= p.gamma_max <= GAMMA_LIMIT:
+        raise ProfileError(f"{path}: gamma_max must be in 1..{GAMMA_LIMIT}, got {p.gamma_max}")
     try:
         p.backend_args()
     except EdgerunError as e:

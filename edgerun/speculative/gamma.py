@@ -20,12 +20,11 @@ pooled acceptance is drawn from its posterior each cycle (Thompson sampling), so
 little is sometimes tried optimistically and one seen often is decided by its data; switching speculation
 on in a class, though, needs the win at a lower confidence bound of its acceptance (as wide as a wrong
 switch is dear: none for free prompt-lookup drafts), so a few lucky drafts or what another text taught the
-class do not buy a switch that the next rejections undo. T_verify(n) and
-T_draft come from the device's CostCurve (measured, or a roofline before measuring), corrected by
-the times the loop observes. g = 0 is plain decoding (rate 1 / T_verify(1)) and is chosen whenever
-speculation is not predicted to win. The first drafting cycles of each class happen whatever the
-prior says (acceptance is learned, not assumed), unless even perfect acceptance could not beat
-plain decoding. Now and then (exponential back-off while the choice stands) one exploratory cycle
+class do not buy a switch that the next rejections undo. T_verify(n) and T_draft come from the device's
+CostCurve (measured, or a roofline before measuring), corrected by the times the loop observes. g = 0 is
+plain decoding (rate 1 / T_verify(1)), chosen whenever speculation is not predicted to win. The first
+drafting cycles of each class happen whatever the prior says (acceptance is learned, not assumed), unless
+even perfect acceptance could not beat plain decoding. Now and then (exponential back-off while the choice stands) one exploratory cycle
 runs: a one-token draft while speculation is off in that class, spaced so that losing drafts cost at
 most 1% of the decode time, so a change in the text can turn speculation back on; plain or a
 neighbouring gamma while it is on, so the observed costs stay honest where the prior curve was
@@ -50,6 +49,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..config import GAMMA_LIMIT
 from ..errors import InvalidArgument
 from ..device.cost import CostCurve
 from .acceptance import AcceptanceModel
@@ -141,8 +141,8 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, seed: int = 0,
                  settings: TunerSettings = TunerSettings(), free_classes: int = 0,
                  model_gamma_max: int | None = None) -> None:
-        if not isinstance(gamma_max, int) or not 1 <= gamma_max <= 32:
-            raise InvalidArgument(f"gamma_max must be an integer in 1..32, got {gamma_max!r}")
+        if not isinstance(gamma_max, int) or not 1 <= gamma_max <= GAMMA_LIMIT:
+            raise InvalidArgument(f"gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {gamma_max!r}")
         if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
             raise InvalidArgument(f"n_classes must be an integer in 1..64, got {n_classes!r}")
         if not isinstance(free_classes, int) or not 0 <= free_classes <= n_classes:
