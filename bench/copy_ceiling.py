@@ -6,7 +6,7 @@ allowed): an oracle that knows the answer and always picks the right occurrence.
 greedy answer to each prompt and replays it on the cost curve measured in the same run (the target's time to
 evaluate n positions with their logits rows, T(n), as edgerun's cost probe times it; the fastest of 5
 repetitions, not the probe cache, whose figure may come from a busier moment): at each position the oracle drafts the longest match L (at
-most `free_gamma_max`, 24) when one exists and L+1 tokens cost T(L+1); elsewhere one token costs T(1). The
+most `free_gamma_max`, 48) when one exists and L+1 tokens cost T(L+1); elsewhere one token costs T(1). The
 ceiling is plain's time over the oracle's, T(1) x tokens / total; the share of tokens inside copied runs and
 their mean length are reported too. Real suffix drafts are below it: they key on the context's last tokens,
 cannot know which occurrence goes on, and pay for the positions they get wrong.

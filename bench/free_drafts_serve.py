@@ -1,5 +1,6 @@
 """Drafts that cost nothing, end to end (docs/free_drafts.md): the same requests to `edgerun serve` plain
-(--draft none), `edgerun serve` as a user gets it (no flag), llama.cpp's `llama-server` on the same file, and
+(--draft none), `edgerun serve` as a user gets it (no flag), `tokenwise` (plain with grammar-forced runs off:
+every forced token a decode step, as edgerun decoded structured output before them), llama.cpp's `llama-server` on the same file, and
 `llama-server` with its n-gram speculation modes, one server at a time, side by side in one run
 (`draft-X`: `edgerun serve --draft X`).
 
@@ -15,7 +16,7 @@ Ratios are per (workload, prompt, temperature) pair, geometric means with ~95% i
 Servers run one at a time, in reversed order on alternate rounds.
 
     nice python bench/free_drafts_serve.py [--models smollm2,qwen] [--temps 0,0.7] [--rounds 1] [--threads 2]
-        [--workloads a,b,c,d,e,f] [--systems plain,default,llama,ngram-simple,ngram-mod,draft-suffix]
+        [--workloads a,b,c,d,e,f] [--systems plain,default,llama,ngram-simple,ngram-mod,draft-suffix,tokenwise]
         [--llama-bin /path/to/llama.cpp/build/bin] [--out bench/results/free_drafts_serve.json]
 """
 
@@ -194,12 +195,16 @@ def ask(url: str, model: str, item: dict, temp: float, seed: int) -> dict:
 
 
 def start(system: str, model: str, path: Path, args) -> Proc:
-    if system in ("plain", "default") or system.startswith("draft-"):
+    if system in ("plain", "default", "tokenwise") or system.startswith("draft-"):
         port = free_port()
-        draft = {"plain": ["--draft", "none"], "default": []}.get(system, ["--draft", system[6:]])
+        draft = {"plain": ["--draft", "none"], "tokenwise": ["--draft", "none"], "default": []}.get(
+            system, ["--draft", system[6:]])
         cmd = edgerun_cmd("serve", "--model", model, "--port", str(port), "--threads", str(args.threads),
                           "--parallel", "1", "--timeout", "1800", *draft)
-        p = Proc(f"edgerun {system}", cmd, f"http://127.0.0.1:{port}")
+        # tokenwise: plain with forced runs off (EDGERUN_FORCED_RUNS=0), every grammar-forced token a decode step
+        # of its own: edgerun's structured decoding before this page's forced runs, the baseline of (a) and (b)
+        env = {**os.environ, "EDGERUN_FORCED_RUNS": "0"} if system == "tokenwise" else None
+        p = Proc(f"edgerun {system}", cmd, f"http://127.0.0.1:{port}", env=env)
     else:
         extra = ["-fa", "on", "-np", "1", "-c", "4096", "--jinja", "-ngl", "0"]
         if system.startswith("ngram"):
@@ -268,7 +273,7 @@ def summarise(rows: list[dict], systems: list[str]) -> list[dict]:
                 ngrams = [x for x in systems if x.startswith("ngram") and f"{x}_tps" in s]
                 best = max(ngrams, key=lambda x: s[f"{x}_tps"], default=None)
                 s["best_ngram"] = best
-                for base in ("plain", "llama", best):
+                for base in ("plain", "tokenwise", "llama", best):
                     if base and "default" in systems and base in systems:
                         for field, tag in (("decode_tps", "tps"), ("answer_s", "answer")):
                             ratios = _pairs(rows, model, w, temp, "default", base, field)
@@ -312,6 +317,8 @@ def main() -> None:
              "default_vs_plain_tps", "default_vs_llama_tps", "default_vs_ngram_tps", "default_vs_plain_answer",
              "default_vs_llama_answer", "greedy_same", "default_valid", "llama_valid"]
     heads += [f"{x}{k}" for x in args.systems.split(",") if x.startswith("draft-") for k in ("_tps", "_vs_plain_tps")]
+    if "tokenwise" in args.systems.split(","):
+        heads += ["tokenwise_tps", "default_vs_tokenwise_tps", "default_vs_tokenwise_answer"]
     for s in data["summary"]:
         best = s.get("best_ngram")
         if best:
