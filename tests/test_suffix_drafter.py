@@ -115,3 +115,38 @@ def test_a_new_context_rebuilds_the_automaton():
     b = [7, 8, 9, 7]                                  # another request: nothing of a may be drafted
     assert d.propose(b, 3, GREEDY, np.random.default_rng(0))[0] == [8, 9, 7]
     assert d.hint([5, 6], None) is None
+
+
+def test_a_copy_resumes_past_an_edit():
+    """A file returned with one name changed: after the edit the longest match is one common token, whose recent
+    occurrence drafts what followed it elsewhere; the copy's source a token past the break goes on verbatim, and the resumed-copy classes (6: one token matched since the edit, 7: two or
+    more) draft it. The known-wrong draft (the longest match's) is checked to be wrong here."""
+    src = [t for i in range(60) for t in (100 + i, 7)]            # distinct names, each followed by a common token
+    ctx = [1] + src + [2] + src[:40]                                 # the answer copied the file up to name 120...
+    d = SuffixDrafter()
+    assert d.hint(ctx) == 5                                          # a 17+ match: the copy being followed
+    ctx += [999]                                                     # ...which it renames
+    assert d.hint(ctx) is None                                       # nothing holds the new name
+    ctx += [7]
+    k, end = d._sa.match() if d.hint(ctx) is not None else (0, -1)
+    assert k == 1 and ctx[end + 1] != 121                            # the longest match drafts something else
+    assert d.hint(ctx) == 6
+    draft, q = d.propose(ctx, 6, GREEDY, np.random.default_rng(0))
+    assert q is None and draft == [121, 7, 122, 7, 123, 7]
+    ctx += [121]
+    assert d.hint(ctx) == 7 and d.propose(ctx, 3, GREEDY, np.random.default_rng(0))[0] == [7, 122, 7]
+    ctx += src[43:43 + 9]                                            # a long match again: its own class
+    assert d.hint(ctx) == 4
+
+
+def test_a_copy_resumes_only_near_its_break():
+    """No resumption without a long copy, or once RESUME_AFTER tokens have passed since it broke."""
+    from edgerun.speculative.suffix import RESUME_AFTER
+    src = [t for i in range(60) for t in (100 + i, 7)]
+    d = SuffixDrafter()
+    short = [1] + src + [2] + src[:4] + [999, 7]                     # a 4-token match broke: nothing to resume
+    assert d.hint(short) == 0
+    far = [1] + src + [2] + src[:40] + [999] + [500 + i for i in range(RESUME_AFTER)] + [7]
+    assert d.hint(far) == 0
+    near = [1] + src + [2] + src[:40] + [999] + [500 + i for i in range(RESUME_AFTER - 2)] + [7]
+    assert d.hint(near) == 6

@@ -2,11 +2,11 @@
 
 `--draft auto` for a target with a paired smaller model (the registry's Qwen pair, a hub model with a cached
 model of its vocabulary) gives a SuffixOrModel. Before each cycle it offers two hint classes: its suffix
-match's (0..5, the match length's class, as SuffixDrafter's: drafts that cost nothing to make) and its model's
-(6..9, the target's margin, as ModelDrafter's: drafts that cost a model step each, plus the catch-up of the
+match's (0..7: the match length's class or a resumed copy's, as SuffixDrafter's: drafts that cost nothing to make)
+and its model's (8..11, the target's margin, as ModelDrafter's: drafts that cost a model step each, plus the catch-up of the
 model's cache over the cycles it sat out). The tuner takes the class whose best gamma it predicts the fastest
 (GammaTuner.pick; the suffix match's on a tie) and chooses gamma in it as for any drafter. Acceptance is learned
-per class, and the model's step only from the model's cycles (GammaTuner's `free_classes`: the first 6 classes
+per class, and the model's step only from the model's cycles (GammaTuner's `free_classes`: the first 8 classes
 cost no draft time and no catch-up).
 
 So where the model cannot pay (a 2-core CPU: verifying 4 positions costs ~3 steps, docs/speculative.md) its
@@ -34,8 +34,9 @@ from .suffix import SuffixDrafter
 class SuffixOrModel:
     """A SuffixDrafter and a model drafter (ModelDrafter, or a LazyDrafter not loaded yet) behind one Drafter."""
 
-    free_classes = SuffixDrafter.n_classes                       # classes 0..5: suffix drafts, free to make
+    free_classes = SuffixDrafter.n_classes                       # classes 0..7: suffix drafts, free to make
     n_classes = SuffixDrafter.n_classes + ModelDrafter.n_classes
+    class_prior = SuffixDrafter.class_prior + (None,) * ModelDrafter.n_classes
 
     def __init__(self, model, suffix: SuffixDrafter | None = None) -> None:
         self.model = model

@@ -10,7 +10,11 @@ the copy runs into it (periodic text).
 
 The hint class is the match length's (1, 2, 3-4, 5-8, 9-16, 17+), as PromptLookupDrafter's, so the gamma
 tuner learns the acceptance per class and sets the draft length from the match length and the past
-acceptance (spec/gamma.py). Within one request: the context must grow by appending (one decode loop's
+acceptance (spec/gamma.py). Two more classes resume a copy after an edit: while the longest match is short
+(under 9 tokens) and a 9+-token copy broke within the last 48 tokens, the tokens written since the break are
+looked for in that copy's source just past the break (`_resume`); found, they draft what follows there, in the
+class of a resumed copy matched on 1 token or on 2+. A file returned with a name changed goes on verbatim one
+token after each rename, where the longest match is a few tokens long and anywhere. Within one request: the context must grow by appending (one decode loop's
 `committed`), anything else rebuilds the automaton (O(n), once per request).
 
 Across requests, where a server enables it (`serve --suffix-history`): `history`, a bucket of the service's
@@ -27,10 +31,14 @@ import numpy as np
 
 from ..config import SamplingArgs
 from ..constrain.base import Constraint
-from .copying import copy_draft, cut_to_grammar, match_class
+from .copying import MATCH_PRIOR, copy_draft, cut_to_grammar, match_class
 
 MAX_FEED = 64        # a request's history cursor starts from its context's last this many tokens (a longer
                      # match drafts the same continuation)
+RESUME_FROM = 9      # a match this long is a copy being followed: where it copies from is kept
+RESUME_AFTER = 48    # a copy that broke (an edit) may resume within this many tokens of the break...
+RESUME_WINDOW = 48   # ...this far past the break in its source, further than the edit's length
+RESUMED = 6          # hint classes of a resumed copy (after match_class's 0..5): 1 token matched, 2+
 
 
 class SuffixAutomaton:
@@ -97,8 +105,9 @@ class SuffixDrafter:
     name = "suffix"
     vocab_fingerprint = None
     weight_bytes = 0
-    n_classes = 6
-    free_classes = 6               # every class: drafts that cost nothing to make (GammaTuner prices none)
+    n_classes = 8                  # the match length's 6 (match_class), then a resumed copy's 2 (RESUMED)
+    free_classes = 8               # every class: drafts that cost nothing to make (GammaTuner prices none)
+    class_prior = MATCH_PRIOR + (0.3, 0.7)     # a resumed copy's first drafts: right after 1 token 0.3, 2+ 0.7
 
     def __init__(self) -> None:
         self.history = None            # a HistoryBucket (speculative/history.py) the server sets per request
@@ -108,12 +117,14 @@ class SuffixDrafter:
         self._ctx: Sequence[int] | None = None
         self._sa = SuffixAutomaton()
         self._cursor = None
+        self._src = self._src_at = -1      # a copy being followed: its next source index, set at this length
 
     def _sync(self, context: Sequence[int]) -> None:
         sa = self._sa
         n0 = len(sa.tokens)
         if not (context is self._ctx and len(context) >= n0 and (n0 == 0 or context[n0 - 1] == sa.tokens[-1])):
             self._ctx, self._sa, n0 = context, SuffixAutomaton(), 0
+            self._src = self._src_at = -1
             sa = self._sa
             self._cursor = self.history.cursor() if self.history is not None else None
             if self._cursor is not None:
@@ -122,25 +133,59 @@ class SuffixDrafter:
             self._cursor.feed([int(t) for t in context[n0:]])
         for t in context[n0:]:
             sa.extend(int(t))
+            k, end = sa._match
+            if k >= RESUME_FROM:
+                self._src, self._src_at = end + 1, len(sa.tokens)
 
     def _match(self, context: Sequence[int]) -> tuple[int, int]:
         """(length, end) of the request's own match."""
         self._sync(context)
         return self._sa.match()
 
+    def _resume(self) -> tuple[int, int]:
+        """(length, end) of a copy resumed after an edit: the longest run of the tokens written since the copy
+        broke that recurs in its source within RESUME_WINDOW past the break (the nearest on a tie); (0, -1)
+        where none does, or no long copy broke in the last RESUME_AFTER tokens.
+
+        A file returned with a name changed matches 9+ tokens until the name, then only the few tokens since
+        it: the longest match is short and anywhere (its class drafts nothing), while the copy's own source,
+        a few tokens past where it broke, goes on verbatim."""
+        toks = self._sa.tokens
+        n, src = len(toks), self._src
+        d = n - self._src_at
+        if src < 0 or not 0 < d <= RESUME_AFTER:
+            return 0, -1
+        last, best, at = toks[n - 1], 0, -1
+        for j in range(src, min(src + d + RESUME_WINDOW, n - 1)):
+            if toks[j] == last:
+                m = 1
+                while m < d and j - m >= src and toks[j - m] == toks[n - 1 - m]:
+                    m += 1
+                if m > best:
+                    best, at = m, j
+        return best, at
+
     def _find(self, context: Sequence[int]) -> tuple[int, int, int]:
-        """(length, end, history block): the longer of the request's own match (block -1) and the history's."""
+        """(length, end, where): the longest of the request's own match (where -1), the history's (where: its
+        block) and, while those are short, a resumed copy's (where -2)."""
         k, end = self._match(context)
+        where = -1
         if self._cursor is not None:
-            kh, where = self._cursor.match()
+            kh, block = self._cursor.match()
             if kh > k:
-                return kh, -1, where
-        return k, end, -1
+                k, end, where = kh, -1, block
+        if k < RESUME_FROM:
+            m, j = self._resume()
+            if m:
+                return m, j, -2
+        return k, end, where
 
     def hint(self, context: Sequence[int], logits: np.ndarray | None = None) -> int | None:
-        k, _, _ = self._find(context)
+        k, _, where = self._find(context)
         if k == 0:
             return None
+        if where == -2:
+            return RESUMED + (k > 1)
         return match_class(k)
 
     def lag(self, context: Sequence[int]) -> int:
