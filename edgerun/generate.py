@@ -12,15 +12,15 @@ With a constraint (a grammar), every verified position's logits are masked with 
 tokens before it, for the drafter (while drafting, which advances the constraint over the drafts) and for the
 target alike; rejected drafts leave the constraint with the KV cache: it holds exactly the committed tokens.
 
-Forced runs (docs/free_drafts.md): where the grammar's mask allows exactly one token after a committed
-token, that token has probability 1 under the masked target: it is committed at once, with no logits and
-no sampling, and so are the ones forced after it (constrain/base.py forced_run). The target cache then lags the committed
-tokens by the run: the next cycle evaluates [pending, *run, *draft] in one call that asks for logits at the
-last gamma + 1 positions only.
+Forced runs (docs/free_drafts.md): where the grammar's mask allows exactly one token after a committed token, that
+token has probability 1 under the masked target: it is committed at once, with no logits and no sampling, and so
+are the ones forced after it (constrain/base.py forced_run). The target cache then lags the committed tokens by the
+run: the next cycle evaluates [pending, *run, *draft] in one call that asks for logits at the last gamma + 1 only.
 
-Evaluation begun ahead (_EvalAhead, an optional wrapper around cycle()): on a backend with `begin_eval` (a
-lone sequence of a batching group), a cycle that will not draft (its gamma is chosen right after the cycle
-before) has its evaluation begun before that cycle's Steps are yielded; the `finally` waits for it.
+Evaluation begun ahead (_EvalAhead, an optional wrapper around cycle()): on a backend with `begin_eval` (a lone
+sequence of a batching group), a cycle that will not draft (its gamma is chosen right after the cycle before) has
+its evaluation begun before that cycle's Steps are yielded; the `finally` waits for it. Shadow drafts
+(speculative/shadow.py) let a free class kept off learn its acceptance from the tokens decoded plain.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .constrain.base import Constraint, apply_mask, forced_run
 from .errors import BackendError, ContextOverflow, InvalidArgument
 from .speculative.gamma import BatchedGamma, FixedGamma, GammaPolicy, GammaTuner
 from .speculative.sampling import dist, greedy_token, penalised
+from .speculative.shadow import Shadow
 from .speculative.verify import verify, verify_greedy
 
 if TYPE_CHECKING:
@@ -60,8 +61,7 @@ class Step:
     forced: bool = False  # True: the grammar allowed only this token (appended unsampled, docs/free_drafts.md)
 
 
-# Forced runs are on by default. EDGERUN_FORCED_RUNS=0 (or generate(forced_runs=False)) turns them off: an
-# internal switch for benchmarks and tests that compare against the token-by-token path, not a user setting.
+# Forced runs are on by default; EDGERUN_FORCED_RUNS=0 (or forced_runs=False) turns them off: for benchmarks and tests.
 FORCED_RUNS = os.environ.get("EDGERUN_FORCED_RUNS", "1") != "0"
 EARNED_START = 8       # a learning policy's drafts past this length are earned within a generation (_Loop)
 
@@ -104,8 +104,7 @@ class GenStats:
 
     @property
     def mean_accepted_per_cycle(self) -> float:
-        spec_cycles = sum(self.accept_histogram)
-        return self.n_accepted / spec_cycles if spec_cycles else 0.0
+        return self.n_accepted / sum(self.accept_histogram) if sum(self.accept_histogram) else 0.0
 
     @property
     def gamma_mean(self) -> float:
@@ -296,6 +295,7 @@ class _Loop:
         self.ahead = False                       # this cycle's evaluation was begun ahead: its time is no step's
         tuner = getattr(policy, "tuner", policy)
         self.lower = getattr(tuner, "lower", None) if self.learns else None
+        self.shadow = Shadow(tuner if self.learns and hasattr(tuner, "shadow") else None)   # speculative/shadow.py
         if self.learns and hasattr(tuner, "begin_generation"):
             tuner.begin_generation()             # a new text: what free drafts learned on others weighs less
 
@@ -325,7 +325,7 @@ class _Loop:
         gamma = len(draft)
         run = self.rollback(gamma, n_acc, nxt) if n_acc < gamma or self.constraint is not None else []
         if gamma:
-            self.earned = min(2 * self.earned, GAMMA_LIMIT) if n_acc == gamma else max(EARNED_START, 2 * n_acc)
+            self.earned = min(max(EARNED_START, 2 * n_acc), GAMMA_LIMIT)     # twice the run just accepted
         if self.learns:
             _observe(self.policy, gamma, n_acc, t1 - t0, t2 - t1, times=self.n_tail == 1 and not self.ahead)
         self.n_tail, self.ahead = 1 + len(run), False
@@ -345,6 +345,7 @@ class _Loop:
         if gamma > self.earned and self.lower is not None:    # a long draft is earned in the generation (docs/
             gamma = self.earned                                # free_drafts.md): lowered, not a supply miss
             self.lower(gamma)
+        self.shadow.step(drafter, committed, hint, gamma, self.sampling, self.rng)
         if gamma > 0 and getattr(drafter, "deferred", False):
             drafter.load()         # a drafter deferred at start-up (speculative/lazy.py): its load is no draft time
         return gamma

@@ -213,7 +213,7 @@ def test_a_slot_copy_has_its_own_parts(pair):
     d = SuffixOrModel(ModelDrafter(noisy, target))
     c = copy.copy(d)
     assert c.suffix is not d.suffix and c.model is not d.model and model_part(c) is c.model
-    assert c.name == d.name and c.n_classes == 10 and c.free_classes == 6
+    assert c.name == d.name and c.n_classes == 12 and c.free_classes == 8
     assert model_part(SuffixDrafter()) is None
 
 
@@ -229,7 +229,7 @@ def test_draft_auto_with_a_paired_model_is_suffix_or_model(tiny_llama, tmp_path,
     monkeypatch.setattr(resolve, "auto_draft", lambda model: str(tiny_llama))     # a pair: the same file
     with load(tiny_llama, draft="auto", n_ctx=256, n_threads=1) as rt:
         assert isinstance(rt.drafter, SuffixOrModel)
-        assert rt.policy.free_classes == 6 and rt.policy.n_classes == 10
+        assert rt.policy.free_classes == 8 and rt.policy.n_classes == 12
         combined_key = rt.tuner_store.key if rt.tuner_store else None
         out = rt.generate("the cat sat on the mat, the cat sat on the", max_tokens=8)
         assert isinstance(out.text, str)
@@ -360,3 +360,87 @@ def test_a_new_generation_weighs_what_free_classes_learned_on_other_texts_less()
     assert abs(tuner._seen[5].sum() - 16.0) < 1e-9 and abs(tuner._acc[5].sum() / 16.0 - rate) < 1e-12
     fresh = quoting(tuner)
     assert max(fresh[1:]) <= 4 and min(stale) > 16, (fresh, stale)
+
+
+# Qwen-1.5B Q4_K_M on 2 CPU threads, T(n)/T(1) for n = 1..49 as edgerun's cost probe measured it (a steep curve:
+# no draft pays below ~90% acceptance)
+QWEN_CPU = [1.0, 1.84, 2.52, 3.07, 3.74, 4.41, 5.06, 6.92, 7.26, 7.72, 8.14, 8.55, 8.55, 8.53, 8.52, 8.51, 9.02, 9.53,
+            10.04, 10.55, 10.97, 11.4, 11.82, 12.07, 12.53, 12.98, 13.42, 13.81, 13.69, 13.57, 13.45, 13.34, 13.91,
+            14.48, 15.02, 15.57, 16.11, 16.66, 17.21, 17.75, 18.07, 18.39, 18.71, 19.03, 19.34, 19.66, 19.98, 20.3,
+            20.62]
+
+
+@pytest.mark.parametrize("prior", [True, False])
+def test_a_long_match_drafts_from_its_first_cycle_on_a_steep_curve(prior):
+    """The suffix classes' prior acceptance (copying.MATCH_PRIOR): a fresh tuner on a steep CPU curve drafts long
+    in the 17+ class from its first cycles and nothing after a 1-token match. The known-wrong variant, one pooled
+    prior for every class (0.6, at which no draft pays here), decodes a file copied whole plain until an
+    exploration every ~85 cycles has taught the class (measured on Qwen: the first 85 cycles of a 900-token code
+    edit plain)."""
+    t = GammaTuner(_curve(QWEN_CPU, 0.06, 0.0), gamma_max=48, n_classes=SuffixDrafter.n_classes,
+                   free_classes=SuffixDrafter.free_classes, class_prior=SuffixDrafter.class_prior if prior else None)
+    t._learn_times = lambda *a, **kw: None
+    first = []
+    for _ in range(40):                       # a file copied whole: every draft of the 17+ match accepted
+        g = t.choose(5)
+        first.append(g)
+        t.observe(g, g, 0.0, 0.06 * QWEN_CPU[g])
+    if prior:
+        assert min(first[:3]) > 8 and t.choose(0) == 0, first
+    else:
+        assert max(first) == 0, first
+
+
+@pytest.mark.parametrize("shadow", [True, False])
+def test_shadow_drafts_teach_a_class_kept_off(shadow):
+    """A class kept off still has its draft made (free) and compared with the tokens decoded plain after it
+    (speculative/shadow.py): a file copied whole teaches the 17+ class its acceptance within a few cycles, and the
+    tuner turns it on. The known-wrong variant (no shadow) keeps the class off: with one pooled prior (0.6) nothing
+    pays on this curve, and its next exploration is ~85 cycles away."""
+    from edgerun.speculative.shadow import Shadow
+    t = GammaTuner(_curve(QWEN_CPU, 0.06, 0.0), gamma_max=48, n_classes=SuffixDrafter.n_classes,
+                   free_classes=SuffixDrafter.free_classes)                          # no class priors
+    t._learn_times = lambda *a, **kw: None
+    d, sh = SuffixDrafter(), Shadow(t if shadow else None)
+    src = [int(x) for x in np.random.default_rng(0).integers(10, 5000, 400)]
+    ctx = [1] + src + [2] + src[:20]
+    gammas = []
+    for i in range(20, 60):                   # plain cycles while off: the target's tokens go on copying the file
+        c = d.hint(ctx)
+        g = t.choose(c)
+        sh.step(d, ctx, c, g, GREEDY, np.random.default_rng(0))
+        gammas.append(g)
+        if g:
+            break
+        t.observe(0, 0, 0.0, 0.06)
+        ctx.append(src[i])
+    if shadow:
+        assert gammas[-1] > 8 and len(gammas) < 12, gammas
+        assert t._seen[5].sum() > 0 and t._acc[5].sum() == t._seen[5].sum()       # all it saw agreed
+    else:
+        assert max(gammas) == 0 and t._seen[5].sum() == 0
+
+
+def test_a_shadow_counts_what_agreed_up_to_the_first_difference():
+    from edgerun.speculative.shadow import Shadow
+    t = GammaTuner(_curve(QWEN_CPU, 0.06, 0.0), gamma_max=48, n_classes=8, free_classes=8)
+
+    class Copy:            # a free drafter that always drafts 10, 11, ..., 19
+        def propose(self, context, gamma, sampling, rng, constraint):
+            return list(range(10, 20))[:gamma], None
+
+    sh = Shadow(t)
+    ctx = [1, 2, 3]
+    sh.step(Copy(), ctx, 6, 0, GREEDY, None)                     # class 6 off: a shadow opens
+    assert 6 in sh.open
+    ctx += [10, 11, 12]
+    sh.step(Copy(), ctx, 0, 0, GREEDY, None)                     # 3 agree so far: counted, still open
+    assert 6 in sh.open and t._acc[6].sum() == 3 and t._seen[6].sum() == 3
+    ctx += [13, 99]
+    sh.step(Copy(), ctx, 0, 0, GREEDY, None)                     # the 5th differs: 4 accepted, the 5th rejected
+    assert 6 not in sh.open
+    assert t._acc[6, :6].round(6).tolist() == [1, 1, 1, 1, 0, 0] and t._seen[6, :6].round(6).tolist() == [1] * 5 + [0]
+    sh.step(Copy(), ctx, 7, 0, GREEDY, None)                     # class 7 opens one; then drafts for real
+    ctx += [10, 11]
+    sh.step(Copy(), ctx, 7, 5, GREEDY, None)                     # closed at what agreed (2), the rest unobserved
+    assert 7 not in sh.open and t._acc[7].sum() == 2 and t._seen[7].sum() == 2

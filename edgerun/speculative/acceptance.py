@@ -23,6 +23,9 @@ class AcceptanceModel:
         self._seen = np.zeros((C, G))     # verified with every earlier position accepted
         self._asked = np.zeros((C, G))    # drafter was asked for position i (and supplied i - 1)
         self._got = np.zeros((C, G))      # ... and supplied it
+        # the drafter's prior acceptance per class (its `class_prior`; NaN: the mean of all classes), what a
+        # class with few drafts of its own is shrunk towards (not state: the drafter's, set by the tuner)
+        self.class_prior = np.full(C, np.nan)
 
     def _count(self, c: int, decay: float, asked: int, m: int, n_accepted: int) -> None:
         """One cycle of class c: the counts decay by `decay`, then the drafter was asked for `asked`
@@ -42,6 +45,23 @@ class AcceptanceModel:
             if na < m:
                 self._seen[c, na] += 1
 
+    def shadow(self, c: int, lo: int, hi: int, rejected: bool) -> None:
+        """A shadow draft of free class c (speculative/shadow.py), as the tokens decoded plain reach it: its
+        positions lo+1..hi agreed with them (newly seen), and with `rejected` position hi+1 did not. Learned as a
+        drafting cycle's acceptance and supply (the decay of a class kept off, once per shadow: at lo = 0); no
+        times, no warm-up (nothing was verified)."""
+        G = self.gamma_max
+        lo, hi = min(lo, G), min(hi, G)
+        if lo == 0:
+            for arr in (self._acc, self._seen, self._asked, self._got):
+                arr[c] *= self.settings.decay ** 0.25
+        for arr in (self._acc, self._seen, self._asked, self._got):
+            arr[c, lo:hi] += 1
+        if rejected and hi < G:
+            self._seen[c, hi] += 1
+            self._asked[c, hi] += 1
+            self._got[c, hi] += 1
+
     def soften(self, classes, n_max: float) -> None:
         """A new text begins: each of `classes` keeps its estimates (the ratios of its counts) but weighs at
         most n_max verified positions, so that this text's first outcomes move them. Free drafts (suffix
@@ -57,7 +77,8 @@ class AcceptanceModel:
     def _shrunk(self, hits: np.ndarray, trials: np.ndarray, mean0: float, c: int,
                 rng: np.random.Generator | None = None) -> np.ndarray:
         """Per-position Beta posterior means for class c, shrunk towards the class's pooled mean,
-        which is shrunk towards the pooled mean of all classes (itself shrunk towards the prior).
+        which is shrunk towards the pooled mean of all classes (itself shrunk towards the prior), or for
+        acceptance towards the drafter's prior for the class where it has one.
         With rng, the class's pooled mean is drawn from its Beta posterior instead (Thompson
         sampling: a class seen little is sometimes drafted optimistically, and so gets learned)."""
         st = self.settings
@@ -65,6 +86,8 @@ class AcceptanceModel:
         if self.n_classes > 1 or rng is not None:
             h, n = hits[c].sum(), trials[c].sum()
             cs = st.class_strength
+            if hits is self._acc and np.isfinite(self.class_prior[c]):
+                pooled = self.class_prior[c]
             if rng is None:
                 pooled = (h + cs * pooled) / (n + cs)
             else:

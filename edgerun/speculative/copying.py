@@ -35,3 +35,13 @@ def match_class(k: int) -> int:
     """The tuner's hint class of a k-token match: 1, 2, 3-4, 5-8, 9-16, 17+ -> 0..5 (acceptance is learned
     per class: a longer match is likelier to continue)."""
     return 0 if k <= 1 else 1 if k == 2 else 2 if k <= 4 else 3 if k <= 8 else 4 if k <= 16 else 5
+
+
+# The prior acceptance of a copied draft per match class (the tuner's starting point, learned away by each
+# class's own drafts: speculative/acceptance.py): about the share of drafts whose first token is right on plain
+# greedy answers to issue 52's six workloads, lower of SmolLM2's and Qwen-1.5B's (`python bench/suffix_classes.py`;
+# docs/free_drafts.md). Without it every class started at one pooled prior (0.6), at which no draft pays on a CPU
+# whose cost curve rises steeply, so even a file copied whole was decoded plain until an exploration every ~85
+# cycles had taught its long matches.
+MATCH_PRIOR = (0.25, 0.33, 0.55, 0.7, 0.9, 0.95)
+

@@ -45,7 +45,10 @@ class CycleCostModel:
             if not self._shape_n.any():
                 self._load = r                      # the prior may be far off: the first sample is taken whole
             elif cnt == 0:
-                self._shape[n] = r / self._load
+                # the first cycle at an n moves its shape halfway from the probe's measurement: llama.cpp's first
+                # batch of a new size can run far slower than the rest (measured 1.26x at 4 positions, 1.47x at 17
+                # on Qwen-1.5B, 2 CPU threads), and the shape reaches every n beyond it
+                self._shape[n] = 0.5 + 0.5 * float(np.clip(r / self._load, 0.5, 2.0))
             else:
                 expect = self._load * self._shape[n]
                 r = float(np.clip(r, expect / 2, expect * 2))
@@ -69,8 +72,8 @@ class CycleCostModel:
     def t_verify(self, n: int) -> float:
         """T_verify(n) = curve(n) x load x shape(n): `load` follows the machine's current speed fast
         (one factor for every n, so a busy spell slows all choices alike and cancels in the argmax);
-        shape(n), learned slowly from the n the loop has run (interpolated between them, 1.0 before
-        any), corrects the curve's form where the prior or probe was wrong."""
+        shape(n), learned slowly from the n the loop has run (interpolated between them, and from the largest
+        back to 1.0 at gamma_max + 1), corrects the curve's form where the prior or probe was wrong."""
         if n <= self.gamma_max + 1:
             return float(self._tv_table()[n - 1])
         return float(self._tv_at(np.array([n]))[0])
@@ -81,8 +84,14 @@ class CycleCostModel:
             pred = curve[n]                                                 # pred [len(n)]
         else:
             pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])
-        seen = np.flatnonzero(self._shape_n > 0)
-        shape = np.interp(n, seen, self._shape[seen]) if seen.size else np.ones(len(n))
+        # shape between the n run so far is interpolated; past the largest it returns to the probe's measurement
+        # (1.0) at the table's end, unless that was run: what a few short cycles taught does not close the long
+        # drafts off for good (only a long draft would correct it), it leans on them
+        seen = list(np.flatnonzero(self._shape_n > 0))
+        xs, ys = seen, list(self._shape[seen])
+        if not seen or seen[-1] < len(self._shape) - 1:
+            xs, ys = xs + [len(self._shape) - 1], ys + [1.0]
+        shape = np.interp(n, xs, ys)
         return pred * self._load * shape
 
     def _tv_table(self) -> np.ndarray:

@@ -36,7 +36,7 @@ from ..constrain.base import Constraint, apply_mask
 from ..errors import InvalidArgument, VocabMismatch
 from ..tokenizer import is_padding
 from .sampling import Dist, dist, greedy_token
-from .copying import copy_draft, match_class
+from .copying import MATCH_PRIOR, copy_draft, match_class
 from .suffix import SuffixDrafter
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,7 @@ class PromptLookupDrafter:
     vocab_fingerprint = None
     weight_bytes = 0
     n_classes = 6
+    class_prior = MATCH_PRIOR
     _EXTEND_MAX = 32
 
     def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:

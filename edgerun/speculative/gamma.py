@@ -28,8 +28,7 @@ even perfect acceptance could not beat plain decoding. Now and then (exponential
 runs: a one-token draft while speculation is off in that class, spaced so that losing drafts cost at
 most 1% of the decode time, so a change in the text can turn speculation back on; plain or a
 neighbouring gamma while it is on, so the observed costs stay honest where the prior curve was
-wrong. A switch needs a predicted gain over the current gamma (hysteresis), so gamma does not
-oscillate between near-equal choices.
+wrong. A switch needs a predicted gain over the current gamma (hysteresis): no oscillating between near-equal choices.
 
 A model drafter's cache is not advanced while speculation is off: its next draft first evaluates every
 position since its last one (`Drafter.lag`, the catch-up), and that cost grows with the gap. The tuner
@@ -73,11 +72,9 @@ class GammaPolicy(Protocol):
         """The cycle's outcome: gamma tokens drafted, n_accepted of them accepted, and its times."""
         ...
 
-    # optional: plain_cycle(lag) -> bool, asked before the drafter's hint. True: the next cycle runs plain
-    # whatever the drafter offers (BatchedGamma: a batch in which no draft can pay), the policy has taken
-    # note, and neither the hint nor choose() is needed; observe() follows as usual.
-    # optional: pick(classes) -> int, asked when a drafter offers several hint classes for one cycle (a tuple:
-    # speculative/combined.py); without it the first is taken.
+    # optional: plain_cycle(lag) -> bool, asked before the drafter's hint: True, the next cycle runs plain whatever
+    # is offered (BatchedGamma: no draft can pay in the batch), no hint or choose() needed, observe() as usual;
+    # pick(classes) -> int, asked when a drafter offers several classes for a cycle (combined.py), else the first.
 
 
 class FixedGamma:
@@ -140,7 +137,7 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
 
     def __init__(self, cost: CostCurve, gamma_max: int = 8, *, n_classes: int = 1, seed: int = 0,
                  settings: TunerSettings = TunerSettings(), free_classes: int = 0,
-                 model_gamma_max: int | None = None) -> None:
+                 model_gamma_max: int | None = None, class_prior=None) -> None:
         if not isinstance(gamma_max, int) or not 1 <= gamma_max <= GAMMA_LIMIT:
             raise InvalidArgument(f"gamma_max must be an integer in 1..{GAMMA_LIMIT}, got {gamma_max!r}")
         if not isinstance(n_classes, int) or not 1 <= n_classes <= 64:
@@ -160,6 +157,8 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         self._rng = np.random.default_rng(seed)
         C = n_classes
         self._init_counts(n_classes, gamma_max)
+        if class_prior is not None:  # the drafter's prior acceptance per class (None: pooled)
+            self.class_prior[:] = np.clip(np.asarray(class_prior, dtype=float)[:C], 0.01, 0.99)
         self._init_times(cost, gamma_max)
         self._lag = 0                           # the drafter's catch-up before the cycle being run
         # the policy's state per class: gamma in force, cycles since the last exploration, drafting
@@ -192,12 +191,13 @@ class GammaTuner(AcceptanceModel, CycleCostModel):
         # a drafter offering model-free and model drafts (speculative/combined.py) is priced by its model's step
         curve = cost_curve_for(target, getattr(drafter, "model", drafter), profile, measure=measure, n_max=gmax + 1)
         return cls(curve, gamma_max=gmax, n_classes=int(getattr(drafter, "n_classes", 1)), free_classes=free,
-                   model_gamma_max=model_gmax)
+                   model_gamma_max=model_gmax, class_prior=getattr(drafter, "class_prior", None))
 
     def fresh(self, seed: int = 0) -> "GammaTuner":
         """A tuner with this one's cost curve, gamma_max, classes and settings, and nothing learned."""
         return GammaTuner(self.cost, self.gamma_max, n_classes=self.n_classes, seed=seed, settings=self.settings,
-                          free_classes=self.free_classes, model_gamma_max=self.model_gamma_max)
+                          free_classes=self.free_classes, model_gamma_max=self.model_gamma_max,
+                          class_prior=self.class_prior)
 
     def cap(self, c: int | None) -> int:
         """The longest draft class c may ask for: gamma_max for model-free drafts, model_gamma_max for a model's."""
