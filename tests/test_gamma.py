@@ -555,3 +555,20 @@ def test_the_switch_on_bound_scales_with_what_a_wrong_switch_costs():
     r = dear.rates(0)
     assert r.max() > 1.03 * r[0]                     # the mean alone would have switched on
     assert dear.choose(0) == 0
+
+
+def test_plain_cycles_do_not_drift_the_price_of_long_drafts():
+    """Only load x shape(n) is observed; the tuner keeps shape(1) = 1, so thousands of noisy plain cycles leave an
+    unseen long draft priced at the probe's ratio to T(1) (before, load and shape(1) drifted along their product:
+    a sampled-regime tuner held load 2.84 and shape(1) 0.3 after 2286 plain cycles, every long draft 2.84x dear)."""
+    ratios = [1.0 + 0.45 * k for k in range(50)]
+    t = GammaTuner(CostCurve(tuple(0.05 * r for r in ratios), 0.0, source="measured"), gamma_max=48)
+    rng = np.random.default_rng(0)
+    t.choose(None)
+    for i in range(3000):
+        n = 3 if i % 50 == 0 else 1                  # now and then a short draft, as explorations run
+        t._hint = 0
+        t._learn_times(n - 1, n - 1, 0.0, 0.05 * ratios[n - 1] * 0.85 * (1 + 0.1 * rng.standard_normal()))
+    assert t._shape[1] == 1.0
+    assert t.t_verify(1) == pytest.approx(0.05 * 0.85, rel=0.15)       # an EMA of noisy times
+    assert t.t_verify(40) / t.t_verify(1) == pytest.approx(ratios[39], rel=0.02)

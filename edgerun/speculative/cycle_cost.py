@@ -55,6 +55,14 @@ class CycleCostModel:
                 self._load += k * (r / self._shape[n] - self._load)
                 self._shape[n] += max(self.settings.shape_rate, 1.0 / (cnt + 1)) * (r / self._load - self._shape[n])
             self._shape_n[n] = cnt + 1
+            if self._shape_n[1] > 0 and self._shape[1] != 1.0:
+                # only load x shape(n) is observed: scaled so that shape(1) = 1 (a plain step's time is the load),
+                # which changes no prediction but the unseen n's, priced at the probe's ratio to T(1). Without it
+                # the pair drifted along their product: after 2286 plain cycles a sampled-regime tuner held load
+                # 2.84 and shape(1) 0.3, and every draft longer than those run was priced 2.84x the probe
+                seen = self._shape_n > 0
+                self._load *= self._shape[1]
+                self._shape[seen] /= self._shape[1]
         excess = self._excess(self._lag)
         if self._free(self._hint):
             pass                                    # a model-free draft (speculative/combined.py): no model step to learn
@@ -84,14 +92,14 @@ class CycleCostModel:
             pred = curve[n]                                                 # pred [len(n)]
         else:
             pred = np.array([curve[k] if k < len(curve) else self.cost.verify(int(k)) for k in n])
-        # shape between the n run so far is interpolated; past the largest it returns to the probe's measurement
-        # (1.0) at the table's end, unless that was run: what a few short cycles taught does not close the long
-        # drafts off for good (only a long draft would correct it), it leans on them
+        # shape between the n run so far is interpolated; past the largest, a measured curve's returns to the probe's
+        # ratio to T(1) (1.0) at the table's end, unless that was run: what a few short cycles taught does not close
+        # the long drafts off for good (only a long draft would correct it). A roofline's is held (no measurement)
         seen = list(np.flatnonzero(self._shape_n > 0))
         xs, ys = seen, list(self._shape[seen])
-        if not seen or seen[-1] < len(self._shape) - 1:
+        if (not seen or seen[-1] < len(self._shape) - 1) and self.cost.source == "measured":
             xs, ys = xs + [len(self._shape) - 1], ys + [1.0]
-        shape = np.interp(n, xs, ys)
+        shape = np.interp(n, xs, ys) if xs else np.ones(len(n))
         return pred * self._load * shape
 
     def _tv_table(self) -> np.ndarray:

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 # (speculation off for good); they are not restored
 # 3: states learned while batch times fed the time model may hold a load and shape(1) drifted apart, T(n >= 2)
 # inflated several times (BatchedGamma.observe); they are not restored either
-FORMAT = 3
+# 4: states whose load and shape(1) drifted apart along their product (both were learned from plain cycles; now
+# shape(1) is 1) may price every draft several times too dear; they are not restored
+FORMAT = 4
 
 
 def regime(sampling: SamplingArgs) -> str:
