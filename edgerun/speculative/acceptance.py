@@ -82,7 +82,12 @@ class AcceptanceModel:
         With rng, the class's pooled mean is drawn from its Beta posterior instead (Thompson
         sampling: a class seen little is sometimes drafted optimistically, and so gets learned)."""
         st = self.settings
-        pooled = (mean0 * st.prior_strength + hits.sum()) / (st.prior_strength + trials.sum())
+        # "all classes" are those of c's kind: a drafter with free and model classes (speculative/combined.py)
+        # pools each kind apart (copies of the text say nothing of a model's drafts: shadow drafts of a file copied
+        # whole otherwise lifted the untried model classes' prior until the model drafted, at half plain speed)
+        f = self.free_classes
+        rows = slice(0, f) if c < f else slice(f, None)
+        pooled = (mean0 * st.prior_strength + hits[rows].sum()) / (st.prior_strength + trials[rows].sum())
         if self.n_classes > 1 or rng is not None:
             h, n = hits[c].sum(), trials[c].sum()
             cs = st.class_strength
