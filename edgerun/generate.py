@@ -295,7 +295,7 @@ class _Loop:
         self.ahead = False                       # this cycle's evaluation was begun ahead: its time is no step's
         tuner = getattr(policy, "tuner", policy)
         self.lower = getattr(tuner, "lower", None) if self.learns else None
-        self.shadow = Shadow(tuner if self.learns and hasattr(tuner, "shadow") else None)   # speculative/shadow.py
+        self.shadow = Shadow(tuner if self.learns and getattr(tuner, "free_classes", 0) else None)   # shadow.py
         if self.learns and hasattr(tuner, "begin_generation"):
             tuner.begin_generation()             # a new text: what free drafts learned on others weighs less
 
