@@ -345,7 +345,7 @@ class _Loop:
         if gamma > self.earned and self.lower is not None:    # a long draft is earned in the generation (docs/
             gamma = self.earned                                # free_drafts.md): lowered, not a supply miss
             self.lower(gamma)
-        self.shadow.step(drafter, committed, hint, gamma, self.sampling, self.rng)
+        self.shadow.step(drafter, committed, hint, gamma)
         if gamma > 0 and getattr(drafter, "deferred", False):
             drafter.load()         # a drafter deferred at start-up (speculative/lazy.py): its load is no draft time
         return gamma

@@ -367,3 +367,19 @@ def test_a_runtime_loaded_with_the_defaults_drafts_with_suffix_lookup(tiny_llama
         assert rt.draft_name == "suffix" and isinstance(rt.drafter, SuffixDrafter)
     with load(str(tiny_llama), draft="none", profile="generic-x86_64-cpu", n_ctx=256, n_threads=1) as rt:
         assert rt.drafter is None
+
+
+def test_a_shadow_draft_from_history_is_not_counted_as_drafted():
+    """A shadow (speculative/shadow.py) is the draft that was not made: it reads the history like a draft but adds
+    nothing to the bucket's drafted and hit counts (/metrics); a real proposal does."""
+    h = SuffixHistory(2000)
+    b = h.bucket("k")
+    answer = list(range(100, 160))
+    b.add(answer, [1, 2, 3])
+    d = SuffixDrafter()
+    d.history = b
+    ctx = [7, 8] + answer[:12]                        # the context ends in an earlier answer's first 12 tokens
+    assert d.shadow_draft(ctx, 8) == answer[12:20]
+    assert (b.hits, b.drafted) == (0, 0)
+    draft, _ = d.propose(ctx, 8, SamplingArgs(temperature=0.0), np.random.default_rng(0))
+    assert draft == answer[12:20] and (b.hits, b.drafted) == (1, 8)

@@ -408,7 +408,7 @@ def test_shadow_drafts_teach_a_class_kept_off(shadow):
     for i in range(20, 60):                   # plain cycles while off: the target's tokens go on copying the file
         c = d.hint(ctx)
         g = t.choose(c)
-        sh.step(d, ctx, c, g, GREEDY, np.random.default_rng(0))
+        sh.step(d, ctx, c, g)
         gammas.append(g)
         if g:
             break
@@ -426,23 +426,23 @@ def test_a_shadow_counts_what_agreed_up_to_the_first_difference():
     t = GammaTuner(_curve(QWEN_CPU, 0.06, 0.0), gamma_max=48, n_classes=8, free_classes=8)
 
     class Copy:            # a free drafter that always drafts 10, 11, ..., 19
-        def propose(self, context, gamma, sampling, rng, constraint):
-            return list(range(10, 20))[:gamma], None
+        def shadow_draft(self, context, gamma):
+            return list(range(10, 20))[:gamma]
 
     sh = Shadow(t)
     ctx = [1, 2, 3]
-    sh.step(Copy(), ctx, 6, 0, GREEDY, None)                     # class 6 off: a shadow opens
+    sh.step(Copy(), ctx, 6, 0)                     # class 6 off: a shadow opens
     assert 6 in sh.open
     ctx += [10, 11, 12]
-    sh.step(Copy(), ctx, 0, 0, GREEDY, None)                     # 3 agree so far: counted, still open
+    sh.step(Copy(), ctx, 0, 0)                     # 3 agree so far: counted, still open
     assert 6 in sh.open and t._acc[6].sum() == 3 and t._seen[6].sum() == 3
     ctx += [13, 99]
-    sh.step(Copy(), ctx, 0, 0, GREEDY, None)                     # the 5th differs: 4 accepted, the 5th rejected
+    sh.step(Copy(), ctx, 0, 0)                     # the 5th differs: 4 accepted, the 5th rejected
     assert 6 not in sh.open
     assert t._acc[6, :6].round(6).tolist() == [1, 1, 1, 1, 0, 0] and t._seen[6, :6].round(6).tolist() == [1] * 5 + [0]
-    sh.step(Copy(), ctx, 7, 0, GREEDY, None)                     # class 7 opens one; then drafts for real
+    sh.step(Copy(), ctx, 7, 0)                     # class 7 opens one; then drafts for real
     ctx += [10, 11]
-    sh.step(Copy(), ctx, 7, 5, GREEDY, None)                     # closed at what agreed (2), the rest unobserved
+    sh.step(Copy(), ctx, 7, 5)                     # closed at what agreed (2), the rest unobserved
     assert 7 not in sh.open and t._acc[7].sum() == 2 and t._seen[7].sum() == 2
 
 

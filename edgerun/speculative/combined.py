@@ -99,6 +99,9 @@ class SuffixOrModel:
         part = self.model if self._use_model else self.suffix
         return part.propose(context, gamma, sampling, rng, constraint)
 
+    def shadow_draft(self, context: Sequence[int], gamma: int) -> list[int]:
+        return self.suffix.shadow_draft(context, gamma)     # shadows are of free (suffix) classes only
+
     def reset(self) -> None:
         self.suffix.reset()
         self.model.reset()

@@ -2,7 +2,7 @@
 
 A model-free draft (suffix lookup: speculative/suffix.py) costs nothing to make; only its verification costs.
 While the gamma tuner keeps such a class off (its acceptance, as learned so far, does not pay on this device's
-cost curve), the decode loop still asks the drafter, at no cost, for the draft it would have made, and compares
+cost curve), the decode loop still asks the drafter, at no cost, for the draft it would have made (`shadow_draft`), and compares
 it with the tokens the target then decodes plain. The number that agree before the first difference is what a
 verification would have accepted: a point-mass draft x is accepted with probability p(x), the probability that
 the target samples x itself (greedy: exactly when it is the target's token), so the count is an unbiased
@@ -32,7 +32,7 @@ class Shadow:
         self.tuner = tuner
         self.open: dict[int, list] = {}     # class -> [context length, draft, positions counted so far]
 
-    def step(self, drafter, committed: Sequence[int], hint: int | None, gamma: int, sampling, rng) -> None:
+    def step(self, drafter, committed: Sequence[int], hint: int | None, gamma: int) -> None:
         """A cycle after `committed` in class `hint` drafts gamma: first each open shadow counts the positions the
         tokens since have reached (agreed, or the first that differs: then it closes; all of it: it closes), or
         closes unseen past them where its own class drafts for real now; then a free class kept off opens one (if
@@ -51,7 +51,8 @@ class Shadow:
                 s[2] = m
             if differs or m == len(draft) or (c == hint and gamma > 0):
                 del self.open[c]
-        if gamma == 0 and hint is not None and hint not in self.open and self.tuner._free(hint):
-            draft, _ = drafter.propose(committed, self.tuner.cap(hint), sampling, rng, None)
+        if gamma == 0 and hint is not None and hint not in self.open and self.tuner._free(hint) \
+                and hasattr(drafter, "shadow_draft"):
+            draft = drafter.shadow_draft(committed, self.tuner.cap(hint))
             if draft:
                 self.open[hint] = [len(committed), list(draft), 0]

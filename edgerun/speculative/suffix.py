@@ -193,20 +193,29 @@ class SuffixDrafter:
 
     def propose(self, context: Sequence[int], gamma: int, sampling: SamplingArgs,
                 rng: np.random.Generator, constraint: Constraint | None = None) -> tuple[list[int], None]:
+        return self._draft(context, gamma, constraint, count=True), None
+
+    def shadow_draft(self, context: Sequence[int], gamma: int) -> list[int]:
+        """The draft propose() would make, for a shadow (speculative/shadow.py): no constraint, and nothing counted
+        as drafted from the history (a shadow is never drafted)."""
+        return self._draft(context, gamma, None, count=False)
+
+    def _draft(self, context: Sequence[int], gamma: int, constraint: Constraint | None, count: bool) -> list[int]:
         if gamma <= 0:
-            return [], None
+            return []
         k, end, where = self._find(context)
         if k == 0:
-            return [], None
+            return []
         if where >= 0:
             out = cut_to_grammar(self._cursor.continuation(where, gamma), constraint)
             if out:
-                self._cursor.count(len(out))
-                return out, None
+                if count:
+                    self._cursor.count(len(out))
+                return out
             k, end = self._sa.match()          # the history's match ends its answer: the request's own
             if k == 0:
-                return [], None
-        return copy_draft(self._sa.tokens, end + 1, len(context), gamma, constraint), None
+                return []
+        return copy_draft(self._sa.tokens, end + 1, len(context), gamma, constraint)
 
     def close(self) -> None:
         self.reset()
